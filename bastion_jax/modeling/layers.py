@@ -1,0 +1,124 @@
+"""Building blocks shared by the target decoder and the DFlash drafter.
+
+Parameters are stored in Hugging Face layout (`weight` of a linear layer is `[out, in]`) so that
+checkpoint conversion is a pure rename; XLA folds the transpose into the matmul.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bastion_jax.config import RopeConfig
+
+_INIT = nnx.initializers.normal(stddev=0.02)
+
+
+class Linear(nnx.Module):
+    """`y = x W^T + b` with `W` stored `[out_features, in_features]` like `torch.nn.Linear`."""
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False,
+                 dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_INIT(rngs.params(), (out_features, in_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.weight[...]
+        y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class Embedding(nnx.Module):
+    """Token embedding `[vocab, hidden]`; `attend` reuses it as a tied LM head."""
+
+    def __init__(self, num_embeddings: int, features: int, *, dtype: jnp.dtype = jnp.float32,
+                 rngs: nnx.Rngs):
+        self.weight = nnx.Param(_INIT(rngs.params(), (num_embeddings, features), dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        w = self.weight[...]
+        return jnp.einsum("...h,vh->...v", x.astype(w.dtype), w)
+
+
+class RMSNorm(nnx.Module):
+    """HF Llama/Qwen3 RMSNorm: normalise in fp32, cast back, then scale (order matters in bf16)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype = jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.weight[...]
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return w * xf.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, *, use_bias: bool = False,
+                 dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        self.gate_proj = Linear(hidden, intermediate, use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(hidden, intermediate, use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(intermediate, hidden, use_bias=use_bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Inverse frequencies `[head_dim // 2]` in fp32, as HF computes them (incl. llama3 scaling)."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    inv_freq = (1.0 / (rope.theta ** exponents)).astype(np.float32)
+    if rope.rope_type == "default":
+        return inv_freq
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(inv_freq: np.ndarray, positions: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables `[batch, seq, head_dim]` for integer positions `[batch, seq]`."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [b, t, d/2]
+    emb = jnp.concatenate([angles, angles], axis=-1)  # [b, t, d]
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on `x` `[batch, seq, heads, head_dim]` (HF convention)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention; the single place a fused kernel would plug in.
+
+    q: [batch, q_len, q_heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim];
+    mask: [batch, q_len, kv_len] bool (True = visible). Returns [batch, q_len, q_heads * head_dim].
+    Every query must see at least one key (it always sees itself in our uses).
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(b, t, hkv, hq // hkv, d)  # [b, t, kv_heads, groups, d]
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (d ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [b, kv_heads, groups, t, s]
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, hq * d)

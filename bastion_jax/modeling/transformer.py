@@ -1,0 +1,116 @@
+"""Target decoder (Llama-3.x / Qwen3) as a Flax NNX module with HF-mirroring attribute names.
+
+`Transformer.embed_tokens`, `.layers[i].self_attn.q_proj.weight`, ... are exactly the HF names
+with the leading `model.` dropped, so `checkpoints_convert` maps checkpoints by rule.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bastion_jax.config import TargetConfig
+from bastion_jax.modeling.cache import KVCache, write_rows
+from bastion_jax.modeling.layers import (
+    MLP, Embedding, Linear, RMSNorm, apply_rope, attend, rope_cos_sin, rope_inv_freq,
+)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: TargetConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        h, hq, hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = Linear(h, hq * d, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(h, hkv * d, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(h, hkv * d, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(hq * d, h, use_bias=bias, dtype=dtype, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.heads = (hq, hkv, d)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, k_buf: jax.Array,
+                 v_buf: jax.Array, start: jax.Array, mask: jax.Array):
+        b, t, _ = x.shape
+        hq, hkv, d = self.heads
+        q = self.q_proj(x).reshape(b, t, hq, d)  # [b, t, q_heads, d]
+        k = self.k_proj(x).reshape(b, t, hkv, d)  # [b, t, kv_heads, d]
+        v = self.v_proj(x).reshape(b, t, hkv, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_buf = write_rows(k_buf, k, start)  # [b, max_len, kv_heads, d]
+        v_buf = write_rows(v_buf, v, start)
+        out = attend(q, k_buf.astype(q.dtype), v_buf.astype(q.dtype), mask)
+        return self.o_proj(out), k_buf, v_buf
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TargetConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=cfg.mlp_bias, dtype=dtype,
+                       rngs=rngs)
+
+    def __call__(self, x, cos, sin, k_buf, v_buf, start, mask):
+        attn, k_buf, v_buf = self.self_attn(self.input_layernorm(x), cos, sin, k_buf, v_buf, start, mask)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_buf, v_buf
+
+
+class ForwardOutput(NamedTuple):
+    logits: jax.Array  # [batch, n_logits, vocab] (fp32)
+    cache: KVCache
+    taps: jax.Array | None  # [batch, seq, n_taps * hidden]: raw outputs of the tapped layers
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM; see module docstring for the naming rule."""
+
+    def __init__(self, cfg: TargetConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs)
+                                for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs))
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """LM head on final-normed hidden states; fp32 so sampling and argmax are not bf16-tied."""
+        if self.lm_head is None:
+            return self.embed_tokens.attend(hidden).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: jax.Array,
+                 mask: jax.Array, *, tap_layers: Sequence[int] = (),
+                 logits_index: jax.Array | None = None) -> ForwardOutput:
+        """Run `tokens` `[batch, t]` at RoPE `positions` `[batch, t]`, writing K/V at slots
+        `start[b] + i` and attending with `mask` `[batch, t, max_len]`.
+
+        `logits_index` `[batch, n]` picks which of the t positions get logits (prefill only needs
+        the last real one); None means all. `tap_layers` returns raw outputs of those decoder
+        layers (0-based), concatenated in the given order: the DFlash feature tap.
+        """
+        x = self.embed_tokens(tokens)  # [b, t, hidden]
+        inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim)  # trace-time constant
+        cos, sin = rope_cos_sin(inv_freq, positions, x.dtype)
+        ks, vs, taps = [], [], {}
+        for i, layer in enumerate(self.layers):
+            x, k_buf, v_buf = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask)
+            ks.append(k_buf)
+            vs.append(v_buf)
+            if i in tap_layers:
+                taps[i] = x
+        x = self.norm(x)
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[..., None], axis=1)  # [b, n, hidden]
+        tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
+        return ForwardOutput(self.logits(x), KVCache(k=tuple(ks), v=tuple(vs)), tapped)

@@ -1,0 +1,62 @@
+"""Tokenizer loading, chat-template prompts and incremental detokenisation (transformers does the work)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bastion_jax.checkpoint import Target
+
+
+def load_tokenizer(target: "Target"):
+    import transformers
+    from transformers import AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    kwargs = {"gguf_file": target.tokenizer_gguf} if target.tokenizer_gguf else {}
+    try:
+        return AutoTokenizer.from_pretrained(str(target.tokenizer_dir), **kwargs)
+    except Exception as e:
+        from bastion_jax.checkpoint import CheckpointError
+
+        raise CheckpointError(f"no usable tokenizer in {target.tokenizer_dir}: {e}") from None
+
+
+def encode_prompt(tokenizer, text: str, *, chat: bool = True, system: str | None = None) -> list[int]:
+    """Token ids for one user turn, through the chat template when the tokenizer has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": text}]
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text)["input_ids"])
+
+
+def stop_ids(tokenizer, config_eos: tuple[int, ...]) -> frozenset[int]:
+    ids = set(config_eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of ids into text deltas without splitting multi-byte characters."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
+            return ""
+        delta, self.emitted = text[self.emitted:], len(text)
+        return delta
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
+        delta, self.emitted = text[self.emitted:], len(text)
+        return delta

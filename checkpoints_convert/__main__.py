@@ -1,0 +1,36 @@
+"""`python -m checkpoints_convert SRC OUT`: HF safetensors dir or GGUF file -> bastion_jax checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m checkpoints_convert",
+        description="Convert a Hugging Face safetensors directory (sharded or not) or a GGUF file "
+                    "into an orbax checkpoint + config.json + tokenizer that bastion_jax loads.")
+    p.add_argument("src", help="HF model directory (config.json + *.safetensors) or a .gguf file")
+    p.add_argument("out", help="output directory (created; must be empty if it exists)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="parameter dtype to store (default: bfloat16)")
+    args = p.parse_args(argv)
+
+    from checkpoints_convert.convert import convert
+    from checkpoints_convert.errors import ConversionError
+
+    t0 = time.perf_counter()
+    try:
+        out = convert(args.src, args.out, args.dtype)
+    except ConversionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"converted {args.src} -> {out} ({args.dtype}) in {time.perf_counter() - t0:.1f}s",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Source checkpoint -> validated params -> orbax checkpoint + config + tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+from bastion_jax.config import ConfigError, TargetConfig
+from checkpoints_convert.errors import ConversionError
+from checkpoints_convert.params import build_params
+from checkpoints_convert.source import Source, open_source
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+def parse_dtype(name: str) -> jnp.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ConversionError(f"unknown dtype {name!r} (choose float32 or bfloat16)") from None
+
+
+def load_params(source: Source, dtype: jnp.dtype) -> tuple[TargetConfig, dict[str, Any]]:
+    """Config and nested param dict of a target checkpoint, validated against the model."""
+    from bastion_jax.checkpoint import abstract_target_state
+
+    try:
+        cfg = TargetConfig.from_hf(source.hf_config)
+    except ConfigError as e:
+        raise ConversionError(f"{source.path}: {e}") from None
+    return cfg, build_params(source, abstract_target_state(cfg, dtype), dtype)
+
+
+def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16") -> Path:
+    """Convert `src` (HF dir or .gguf) into a bastion_jax checkpoint directory `out`."""
+    from bastion_jax.checkpoint import save_target
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConversionError(f"output directory is not empty: {out}")
+    source = open_source(src)
+    cfg, params = load_params(source, parse_dtype(dtype))
+    out.mkdir(parents=True, exist_ok=True)
+    save_target(out, cfg, params, source=str(source.path))
+    source.save_tokenizer(out)
+    return out

@@ -1,0 +1,83 @@
+"""Hugging Face checkpoint directories: config.json + (sharded) safetensors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from checkpoints_convert.errors import ConversionError
+from checkpoints_convert.source import Source
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json",
+    "added_tokens.json",
+)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConversionError(f"unreadable {path.name} in {path.parent}: {e}") from None
+
+
+def _weight_map(directory: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the shard index or by listing the files."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        wm = _read_json(index).get("weight_map")
+        if not isinstance(wm, dict):
+            raise ConversionError(f"{index} has no weight_map")
+        return {name: directory / fname for name, fname in wm.items()}
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ConversionError(f"no *.safetensors files in {directory}")
+    out: dict[str, Path] = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="numpy") as st:
+                out.update({name: f for name in st.keys()})
+        except (SafetensorError, OSError) as e:
+            raise ConversionError(f"unreadable safetensors file {f}: {e}") from None
+    return out
+
+
+def hf_generation_eos(directory: Path) -> list[int]:
+    """EOS ids from generation_config.json (instruct models often list several there)."""
+    gen = directory / "generation_config.json"
+    if not gen.is_file():
+        return []
+    eos = _read_json(gen).get("eos_token_id")
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+
+
+def open_hf(directory: Path) -> Source:
+    if not (directory / "config.json").is_file():
+        raise ConversionError(f"no config.json in {directory}")
+    hf_config = _read_json(directory / "config.json")
+    extra_eos = hf_generation_eos(directory)
+    if extra_eos:
+        eos = hf_config.get("eos_token_id")
+        base = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        hf_config["eos_token_id"] = list(dict.fromkeys(base + extra_eos))
+    weight_map = _weight_map(directory)
+
+    def load(name: str) -> np.ndarray:
+        f = weight_map[name]
+        try:
+            with safe_open(f, framework="numpy") as st:
+                return st.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ConversionError(f"unreadable tensor {name} in {f}: {e}") from None
+
+    def save_tokenizer(out: Path) -> None:
+        for fname in TOKENIZER_FILES:
+            if (directory / fname).is_file():
+                shutil.copy2(directory / fname, out / fname)
+
+    return Source(directory, hf_config, list(weight_map), load, save_tokenizer)

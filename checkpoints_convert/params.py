@@ -1,0 +1,66 @@
+"""The naming rule: HF name minus a leading `model.` == our NNX state path joined by dots.
+
+`build_params` checks every tensor the model needs against the abstract model (names and shapes)
+before anything is kept, so a wrong checkpoint fails with the offending name, not deep in XLA.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from checkpoints_convert.errors import ConversionError
+from checkpoints_convert.source import Source
+
+# Buffers some checkpoints carry that our model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def path_to_name(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def name_to_path(name: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in name.split("."))
+
+
+def expected_shapes(abstract_state: nnx.State) -> dict[str, tuple[int, ...]]:
+    """Flat `name -> shape` for every parameter of an (abstract) model state."""
+    flat = jax.tree_util.tree_flatten_with_path(abstract_state.to_pure_dict())[0]
+    return {path_to_name(tuple(getattr(k, "key", k) for k in kp)): tuple(v.shape) for kp, v in flat}
+
+
+def strip_prefix(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def build_params(source: Source, abstract_state: nnx.State, dtype: jnp.dtype) -> dict[str, Any]:
+    """Load, validate and cast every tensor; returns a nested pure dict matching the model state."""
+    expected = expected_shapes(abstract_state)
+    available = {strip_prefix(n): n for n in source.names}
+    missing = [n for n in expected if n not in available]
+    if missing:
+        raise ConversionError(
+            f"missing tensor {missing[0]!r} in {source.path}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = [n for n in available if n not in expected and not n.endswith(_IGNORED_SUFFIXES)]
+    if extra:
+        print(f"checkpoints_convert: ignoring {len(extra)} unused tensor(s), e.g. {extra[0]}",
+              file=sys.stderr)
+    nested: dict[str, Any] = {}
+    for name, shape in expected.items():
+        arr = source.load(available[name])
+        if tuple(arr.shape) != shape:
+            raise ConversionError(
+                f"wrong shape for tensor {name!r} in {source.path}: expected {shape}, got {tuple(arr.shape)}")
+        node = nested
+        *parents, leaf = name_to_path(name)
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = np.asarray(arr).astype(dtype)  # cast one tensor at a time
+    return nested

@@ -1,0 +1,40 @@
+"""A checkpoint opened for reading: its HF-style config and lazily loaded, HF-named tensors.
+
+Tensors are loaded one at a time by name so that converting an 8B model never holds a full fp32
+copy on the host: each tensor is cast to the target dtype as soon as it is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Source:
+    path: Path
+    hf_config: dict[str, Any]
+    names: list[str]  # HF parameter names, e.g. "model.layers.0.self_attn.q_proj.weight"
+    load: Callable[[str], np.ndarray]
+    save_tokenizer: Callable[[Path], None]
+
+
+def open_source(path: str | Path) -> Source:
+    """Open an HF safetensors directory or a GGUF file."""
+    from checkpoints_convert.errors import ConversionError
+
+    path = Path(path)
+    if not path.exists():
+        raise ConversionError(f"checkpoint not found: {path}")
+    if path.is_file() and path.suffix == ".gguf":
+        from checkpoints_convert.gguf_file import open_gguf
+
+        return open_gguf(path)
+    if path.is_dir():
+        from checkpoints_convert.hf import open_hf
+
+        return open_hf(path)
+    raise ConversionError(f"not a checkpoint (expected an HF directory or a .gguf file): {path}")
