@@ -69,7 +69,7 @@ def save_target(out: Path, cfg: TargetConfig, params: dict[str, Any], source: st
 def _merge(cfg: TargetConfig, dtype: jnp.dtype, params: dict[str, Any]) -> tuple[nnx.GraphDef, nnx.State]:
     model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
-    state.replace_by_pure_dict(jax.tree.map(lambda a: jnp.asarray(a, dtype), params))
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, dtype), params))
     return graphdef, state
 
 
@@ -82,7 +82,7 @@ def _load_converted(path: Path, hf: dict[str, Any], dtype: jnp.dtype | None) -> 
     cfg = TargetConfig.from_hf(hf)
     stored = jnp.dtype(meta["dtype"])
     target_tree = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
-                               abstract_target_state(cfg, stored).to_pure_dict())
+                               nnx.to_pure_dict(abstract_target_state(cfg, stored)))
     if not (path / "params").is_dir():
         raise CheckpointError(f"missing params/ directory in checkpoint {path}")
     try:

@@ -31,7 +31,7 @@ def name_to_path(name: str) -> tuple:
 
 def expected_shapes(abstract_state: nnx.State) -> dict[str, tuple[int, ...]]:
     """Flat `name -> shape` for every parameter of an (abstract) model state."""
-    flat = jax.tree_util.tree_flatten_with_path(abstract_state.to_pure_dict())[0]
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract_state))[0]
     return {path_to_name(tuple(getattr(k, "key", k) for k in kp)): tuple(v.shape) for kp, v in flat}
 
 

@@ -1,0 +1,73 @@
+"""Tiny random models for tests and examples (no downloads): HF configs, saved checkpoints, tokenizers.
+
+Lives in the package (like gemma's `testing` module) so downstream code can build the same dummies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TINY_VOCAB = 96
+
+
+def tiny_hf_config(arch: str, **overrides: Any) -> dict[str, Any]:
+    """HF config kwargs for a 3-layer model of the given family ("qwen3" or "llama3")."""
+    base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "qwen3":
+        base.update(head_dim=16, rope_theta=10000.0, tie_word_embeddings=False)
+    elif arch == "llama3":
+        # Llama-3.1 rope scaling with a small original context so all three bands are exercised.
+        base.update(rope_theta=500000.0, tie_word_embeddings=True,
+                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                      high_freq_factor=4.0, original_max_position_embeddings=64))
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}")
+    base.update(overrides)
+    return base
+
+
+def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any):
+    """A random transformers model (float32) for `arch`; needs torch."""
+    import torch
+    import transformers
+
+    cfg_cls, model_cls = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama3": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**tiny_hf_config(arch, **overrides)))
+    # HF initialises norms to 1; randomise them so a swapped or missing norm cannot hide.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def tiny_tokenizer(vocab_size: int = TINY_VOCAB):
+    """A word-level tokenizer over `vocab_size` tokens: '<pad>', '<s>', '</s>', '<unk>', then w4, w5, ..."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i for i in range(4, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    from tokenizers import decoders
+
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>")
+
+
+def save_tiny_hf(arch: str, directory: str | Path, seed: int = 0, **overrides: Any):
+    """Save a tiny random HF model + tokenizer to `directory`; returns the torch model."""
+    directory = Path(directory)
+    model = tiny_hf_model(arch, seed, **overrides)
+    model.save_pretrained(directory)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(directory)
+    return model

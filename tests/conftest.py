@@ -1,0 +1,29 @@
+import os
+
+# Tests run on CPU with fp32 matmuls at full precision so parity tolerances are meaningful.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """`converted(arch)` -> (torch model, loaded Target) via save_pretrained -> convert -> load."""
+    import jax.numpy as jnp
+
+    from bastion_jax.checkpoint import load_target
+    from bastion_jax.testing import save_tiny_hf
+    from checkpoints_convert import convert
+
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            root = tmp_path_factory.mktemp(arch)
+            model = save_tiny_hf(arch, root / "hf")
+            convert(root / "hf", root / "ours", dtype="float32")
+            cache[arch] = (model, load_target(root / "ours", jnp.float32))
+        return cache[arch]
+
+    return get

