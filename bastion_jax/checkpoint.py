@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bastion_jax.config import ConfigError, TargetConfig, read_config_json
+from bastion_jax.config import ConfigError, DrafterConfig, TargetConfig, read_config_json
+from bastion_jax.modeling.drafter import Drafter
 from bastion_jax.modeling.transformer import Transformer
 
 FORMAT_VERSION = 1
@@ -43,46 +44,76 @@ class Target:
         return self.state["embed_tokens"]["weight"][...].dtype
 
 
+@dataclasses.dataclass
+class LoadedDrafter:
+    """A loaded DFlash drafter, split once like `Target`."""
+
+    config: DrafterConfig
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    path: Path | None = None
+
+
+def _module(cfg: TargetConfig | DrafterConfig, dtype: jnp.dtype, seed: int = 0):
+    cls = Drafter if isinstance(cfg, DrafterConfig) else Transformer
+    return cls(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def abstract_state(cfg: TargetConfig | DrafterConfig, dtype: jnp.dtype) -> nnx.State:
+    return nnx.state(nnx.eval_shape(lambda: _module(cfg, dtype)))
+
+
 def abstract_target_state(cfg: TargetConfig, dtype: jnp.dtype) -> nnx.State:
-    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-    return nnx.state(model)
+    return abstract_state(cfg, dtype)
 
 
 def random_target(cfg: TargetConfig, dtype: jnp.dtype = jnp.float32, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
     """A randomly initialised target (tests, profiling at named shapes)."""
-    return nnx.split(Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
+    return nnx.split(_module(cfg, dtype, seed))
 
 
-def save_target(out: Path, cfg: TargetConfig, params: dict[str, Any], source: str = "") -> None:
+def random_drafter(cfg: DrafterConfig, dtype: jnp.dtype = jnp.float32, seed: int = 0) -> LoadedDrafter:
+    """A randomly initialised drafter (tests, the CLI's tiny random drafter)."""
+    graphdef, state = nnx.split(_module(cfg, dtype, seed))
+    return LoadedDrafter(cfg, graphdef, state)
+
+
+def _save(out: Path, hf: dict[str, Any], kind: str, params: dict[str, Any], source: str) -> None:
     import orbax.checkpoint as ocp
 
     dtype = jax.tree.leaves(params)[0].dtype
-    hf = cfg.to_hf()
-    hf["bastion_jax"] = {"format": FORMAT_VERSION, "kind": "target", "dtype": jnp.dtype(dtype).name,
-                         "source": source}
+    hf = dict(hf, bastion_jax={"format": FORMAT_VERSION, "kind": kind, "dtype": jnp.dtype(dtype).name,
+                               "source": source})
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     ckptr = ocp.StandardCheckpointer()
     ckptr.save((out / "params").absolute(), params)
     ckptr.wait_until_finished()
 
 
-def _merge(cfg: TargetConfig, dtype: jnp.dtype, params: dict[str, Any]) -> tuple[nnx.GraphDef, nnx.State]:
-    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(model)
+def save_target(out: Path, cfg: TargetConfig, params: dict[str, Any], source: str = "") -> None:
+    _save(out, cfg.to_hf(), "target", params, source)
+
+
+def save_drafter(out: Path, cfg: DrafterConfig, params: dict[str, Any], source: str = "") -> None:
+    _save(out, cfg.to_hf(), "drafter", params, source)
+
+
+def _merge(cfg, dtype: jnp.dtype, params: dict[str, Any]) -> tuple[nnx.GraphDef, nnx.State]:
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: _module(cfg, dtype)))
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, dtype), params))
     return graphdef, state
 
 
-def _load_converted(path: Path, hf: dict[str, Any], dtype: jnp.dtype | None) -> Target:
+def _restore(path: Path, hf: dict[str, Any], kind: str, cfg, dtype: jnp.dtype | None):
     import orbax.checkpoint as ocp
 
     meta = hf["bastion_jax"]
-    if meta.get("format") != FORMAT_VERSION or meta.get("kind") != "target":
-        raise CheckpointError(f"{path} is a bastion_jax checkpoint of an unsupported format/kind: {meta}")
-    cfg = TargetConfig.from_hf(hf)
+    if meta.get("format") != FORMAT_VERSION or meta.get("kind") != kind:
+        raise CheckpointError(f"{path} is not a bastion_jax {kind} checkpoint (found {meta.get('kind')!r}, "
+                              f"format {meta.get('format')!r})")
     stored = jnp.dtype(meta["dtype"])
     target_tree = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
-                               nnx.to_pure_dict(abstract_target_state(cfg, stored)))
+                               nnx.to_pure_dict(abstract_state(cfg, stored)))
     if not (path / "params").is_dir():
         raise CheckpointError(f"missing params/ directory in checkpoint {path}")
     try:
@@ -90,8 +121,7 @@ def _load_converted(path: Path, hf: dict[str, Any], dtype: jnp.dtype | None) -> 
     except Exception as e:  # orbax raises many types for truncated/corrupt trees
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"corrupt or incompatible checkpoint {path / 'params'}: {msg}") from None
-    graphdef, state = _merge(cfg, dtype or stored, params)
-    return Target(cfg, graphdef, state, tokenizer_dir=path, path=path)
+    return _merge(cfg, dtype or stored, params)
 
 
 def load_target(path: str | Path, dtype: jnp.dtype | None = None) -> Target:
@@ -108,7 +138,9 @@ def load_target(path: str | Path, dtype: jnp.dtype | None = None) -> Target:
         if path.is_dir() and (path / "config.json").is_file():
             hf = read_config_json(path / "config.json")
             if "bastion_jax" in hf:
-                return _load_converted(path, hf, dtype)
+                cfg = TargetConfig.from_hf(hf)
+                graphdef, state = _restore(path, hf, "target", cfg, dtype)
+                return Target(cfg, graphdef, state, tokenizer_dir=path, path=path)
         source = open_source(path)
         cfg, params = load_params(source, dtype or jnp.float32)
     except (ConversionError, ConfigError) as e:
@@ -117,3 +149,25 @@ def load_target(path: str | Path, dtype: jnp.dtype | None = None) -> Target:
     if path.is_file():
         return Target(cfg, graphdef, state, tokenizer_dir=path.parent, tokenizer_gguf=path.name, path=path)
     return Target(cfg, graphdef, state, tokenizer_dir=path, path=path)
+
+
+def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None = None) -> LoadedDrafter:
+    """Load a converted drafter or a z-lab DFlash checkpoint dir; checks it fits `target`."""
+    from checkpoints_convert import ConversionError
+    from checkpoints_convert.dflash import load_zlab_params
+
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"drafter checkpoint not found (expected a directory): {path}")
+    try:
+        hf = read_config_json(path / "config.json")
+        cfg = DrafterConfig.from_hf(hf, target)
+        cfg.check_pair(target)
+        if "bastion_jax" in hf:
+            graphdef, state = _restore(path, hf, "drafter", cfg, dtype)
+        else:
+            _, params = load_zlab_params(path, dtype or jnp.float32, target)
+            graphdef, state = _merge(cfg, dtype or jnp.float32, params)
+    except (ConversionError, ConfigError) as e:
+        raise CheckpointError(str(e)) from None
+    return LoadedDrafter(cfg, graphdef, state, path)

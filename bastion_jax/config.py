@@ -189,3 +189,116 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
 
 def round_up(n: int, multiple: int) -> int:
     return int(math.ceil(n / multiple) * multiple)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """DFlash's tap rule when a checkpoint names none: evenly spaced in [1, N-3] (Python round)."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A DFlash block-diffusion drafter (z-lab checkpoint format, Qwen3-style layers)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], target: TargetConfig | None = None) -> "DrafterConfig":
+        """Parse a z-lab config.json; `target` supplies defaults the file may omit."""
+        dflash = hf.get("dflash_config") or {}
+        try:
+            heads = int(hf["num_attention_heads"])
+            hidden = int(hf["hidden_size"])
+            n_layers = int(hf["num_hidden_layers"])
+            n_target = hf.get("num_target_layers") or (target.num_hidden_layers if target else None)
+            if n_target is None:
+                raise KeyError("num_target_layers")
+            taps = dflash.get("target_layer_ids") or hf.get("target_layer_ids")
+            taps = tuple(int(t) for t in taps) if taps else default_target_layer_ids(int(n_target), n_layers)
+            block = dflash.get("block_size", hf.get("block_size"))
+            if block is None:
+                raise KeyError("block_size")
+            mask = dflash.get("mask_token_id", hf.get("mask_token_id"))
+            if mask is None:
+                raise KeyError("dflash_config.mask_token_id")
+            return cls(
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_hidden_layers=n_layers,
+                num_attention_heads=heads,
+                num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(hf.get("head_dim") or hidden // heads),
+                vocab_size=int(hf["vocab_size"]),
+                block_size=int(block),
+                mask_token_id=int(mask),
+                target_layer_ids=taps,
+                num_target_layers=int(n_target),
+                target_hidden_size=int(hf.get("target_hidden_size") or (target.hidden_size if target else hidden)),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope=RopeConfig.from_hf(hf),
+            )
+        except KeyError as e:
+            raise ConfigError(f"drafter config.json is missing required field {e.args[0]!r}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        """z-lab format config.json."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope.theta,
+            "rope_scaling": None if self.rope.rope_type == "default" else self.rope.to_hf(),
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "target_hidden_size": self.target_hidden_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id,
+                              "target_layer_ids": list(self.target_layer_ids)},
+        }
+
+    def check_pair(self, target: TargetConfig) -> None:
+        """Raise one clear error if this drafter cannot read `target`'s features and vocabulary."""
+        def bad(what: str, mine: Any, theirs: Any) -> ConfigError:
+            return ConfigError(f"drafter/target mismatch: {what}: drafter {mine} vs target {theirs}")
+
+        if self.hidden_size != target.hidden_size:
+            raise bad("hidden_size", self.hidden_size, target.hidden_size)
+        if self.target_hidden_size != target.hidden_size:
+            raise bad("feature width (target_hidden_size)", self.target_hidden_size, target.hidden_size)
+        if self.vocab_size != target.vocab_size:
+            raise bad("vocab_size", self.vocab_size, target.vocab_size)
+        if self.num_target_layers != target.num_hidden_layers:
+            raise bad("num_target_layers", self.num_target_layers, target.num_hidden_layers)
+        bad_taps = [t for t in self.target_layer_ids if not 0 <= t < target.num_hidden_layers]
+        if bad_taps:
+            raise bad("target_layer_ids", list(self.target_layer_ids),
+                      f"{target.num_hidden_layers} layers (ids must be in [0, {target.num_hidden_layers}))")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise bad("mask_token_id", self.mask_token_id, f"vocab of {target.vocab_size}")
+        if self.block_size < 2:
+            raise ConfigError(f"drafter block_size must be >= 2, got {self.block_size}")

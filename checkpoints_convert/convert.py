@@ -34,13 +34,19 @@ def load_params(source: Source, dtype: jnp.dtype) -> tuple[TargetConfig, dict[st
 
 
 def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16") -> Path:
-    """Convert `src` (HF dir or .gguf) into a bastion_jax checkpoint directory `out`."""
-    from bastion_jax.checkpoint import save_target
+    """Convert `src` (HF target dir, z-lab DFlash drafter dir, or .gguf) into a bastion_jax checkpoint dir."""
+    from bastion_jax.checkpoint import save_drafter, save_target
+    from checkpoints_convert.dflash import is_dflash_config, load_zlab_params
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ConversionError(f"output directory is not empty: {out}")
     source = open_source(src)
+    if is_dflash_config(source.hf_config):
+        dcfg, dparams = load_zlab_params(Path(src), parse_dtype(dtype))
+        out.mkdir(parents=True, exist_ok=True)
+        save_drafter(out, dcfg, dparams, source=str(source.path))
+        return out
     cfg, params = load_params(source, parse_dtype(dtype))
     out.mkdir(parents=True, exist_ok=True)
     save_target(out, cfg, params, source=str(source.path))

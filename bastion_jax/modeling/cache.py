@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from bastion_jax.config import TargetConfig
+from bastion_jax.config import DrafterConfig, TargetConfig
 
 
 @struct.dataclass
@@ -20,7 +20,7 @@ class KVCache:
     v: tuple[jax.Array, ...]  # per layer [batch, max_len, kv_heads, head_dim]
 
     @classmethod
-    def create(cls, cfg: TargetConfig, batch: int, max_len: int, dtype: jnp.dtype) -> "KVCache":
+    def create(cls, cfg: TargetConfig | DrafterConfig, batch: int, max_len: int, dtype: jnp.dtype) -> "KVCache":
         shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
         return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)))

@@ -1,0 +1,106 @@
+"""DFlash drafter: predicts a whole block of next tokens in one forward from target features.
+
+Attribute names mirror the z-lab checkpoint keys (`fc`, `hidden_norm`, `layers.i.self_attn.q_proj`,
+...). The drafter has no embedding or LM head: both are borrowed from the target.
+
+Context ("KV injection"): the tapped target features of committed tokens are projected once
+(`fc` -> `hidden_norm`) and every layer turns them into extra keys/values with its own
+`k_proj`/`v_proj`/`k_norm`. Those context K/V are kept in a preallocated cache by absolute
+position; the block's own K/V are transient. The block `[root, MASK x (B-1)]` attends
+bidirectionally to itself and to every committed context position.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bastion_jax.config import DrafterConfig
+from bastion_jax.modeling.cache import KVCache, write_rows
+from bastion_jax.modeling.layers import MLP, Linear, RMSNorm, apply_rope, attend, rope_cos_sin, rope_inv_freq
+
+
+class DrafterAttention(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        h, hq, hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = Linear(h, hq * d, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(h, hkv * d, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(h, hkv * d, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(hq * d, h, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.heads = (hq, hkv, d)
+
+    def _kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        b, t, _ = x.shape
+        _, hkv, d = self.heads
+        k = apply_rope(self.k_norm(self.k_proj(x).reshape(b, t, hkv, d)), cos, sin)
+        return k, self.v_proj(x).reshape(b, t, hkv, d)
+
+    def __call__(self, u, x_ctx, rope_blk, rope_ctx, k_buf, v_buf, ctx_start, ctx_visible):
+        """u: [b, B, h] normed block; x_ctx: [b, C, h] new context; *_buf: [b, S, kv_heads, d];
+        ctx_visible: [b, S] which cache slots are committed context after this write."""
+        b, t, _ = u.shape
+        hq, _, d = self.heads
+        q = apply_rope(self.q_norm(self.q_proj(u).reshape(b, t, hq, d)), *rope_blk)  # [b, B, q_heads, d]
+        k_ctx, v_ctx = self._kv(x_ctx, *rope_ctx)  # [b, C, kv_heads, d]
+        k_buf = write_rows(k_buf, k_ctx, ctx_start)
+        v_buf = write_rows(v_buf, v_ctx, ctx_start)
+        k_blk, v_blk = self._kv(u, *rope_blk)  # [b, B, kv_heads, d]
+        keys = jnp.concatenate([k_buf.astype(q.dtype), k_blk], axis=1)  # [b, S + B, kv_heads, d]
+        vals = jnp.concatenate([v_buf.astype(q.dtype), v_blk], axis=1)
+        mask = jnp.concatenate([jnp.broadcast_to(ctx_visible[:, None, :], (b, t, ctx_visible.shape[1])),
+                                jnp.ones((b, t, t), bool)], axis=-1)  # [b, B, S + B]
+        return self.o_proj(attend(q, keys, vals, mask)), k_buf, v_buf
+
+
+class DrafterLayer(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = DrafterAttention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, h, x_ctx, rope_blk, rope_ctx, k_buf, v_buf, ctx_start, ctx_visible):
+        attn, k_buf, v_buf = self.self_attn(self.input_layernorm(h), x_ctx, rope_blk, rope_ctx, k_buf,
+                                            v_buf, ctx_start, ctx_visible)
+        h = h + attn
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, k_buf, v_buf
+
+
+class Drafter(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        n_feat = len(cfg.target_layer_ids) * cfg.target_hidden_size
+        self.fc = Linear(n_feat, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.layers = nnx.List([DrafterLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, block_emb: jax.Array, ctx_features: jax.Array, ctx_start: jax.Array,
+                 ctx_len: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """One drafting call.
+
+        block_emb: [b, B, h] target embeddings of [root, MASK...]; ctx_features: [b, C, n_taps*h]
+        features of the newly committed tokens at positions ctx_start + i (only the first ctx_len
+        rows are real; the rest are padding). The root sits at s = ctx_start + ctx_len.
+        Returns the final-normed block hidden states [b, B, h] and the cache with the new context.
+        """
+        b, block, _ = block_emb.shape
+        c = ctx_features.shape[1]
+        s = ctx_start + ctx_len  # [b]
+        inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim)
+        dtype = block_emb.dtype
+        rope_blk = rope_cos_sin(inv_freq, s[:, None] + jnp.arange(block)[None], dtype)
+        rope_ctx = rope_cos_sin(inv_freq, ctx_start[:, None] + jnp.arange(c)[None], dtype)
+        x_ctx = self.hidden_norm(self.fc(ctx_features.astype(dtype)))  # [b, C, h]
+        ctx_visible = jnp.arange(cache.max_len)[None, :] < s[:, None]  # [b, S]
+        h = block_emb
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            h, k_buf, v_buf = layer(h, x_ctx, rope_blk, rope_ctx, cache.k[i], cache.v[i], ctx_start, ctx_visible)
+            ks.append(k_buf)
+            vs.append(v_buf)
+        return self.norm(h), KVCache(k=tuple(ks), v=tuple(vs))

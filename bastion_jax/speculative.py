@@ -1,0 +1,125 @@
+"""Chain speculative decoding (the DFlash baseline) as pure, jitted, static-shape steps.
+
+Each step verifies `[root, d_1 .. d_{B-1}]` in one target forward, accepts the longest prefix of
+drafts equal to the target's own choices (argmax, or a sample per position at T > 0, so sampling
+stays exactly the target's distribution), emits accepted drafts + the bonus token, injects the
+committed tokens' features into the drafter and drafts the next block, all before returning to
+the host. Rejected tokens' K/V stay in the target cache past the new length and are masked out
+and overwritten later: rollback is bookkeeping.
+
+A `proposal(root, start, drafter_logits) -> logits` function can replace or edit the drafter's
+per-position logits [b, B-1, vocab] (tests use oracle / half-right drafters without a model).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from bastion_jax.modeling.cache import KVCache, causal_mask
+from bastion_jax.sampling import SamplingConfig, sample
+
+Proposal = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+@struct.dataclass
+class SpecState:
+    """Everything a step carries on device between host syncs."""
+
+    target_cache: KVCache
+    drafter_cache: KVCache
+    root: jax.Array  # [b] last committed token (no K/V yet)
+    drafts: jax.Array  # [b, B-1] the next block's drafts
+    length: jax.Array  # [b] committed tokens with K/V in the target cache (= root's position)
+
+
+@struct.dataclass
+class StepOutput:
+    tokens: jax.Array  # [b, B] emitted tokens, the first `count` valid (accepted drafts + bonus)
+    count: jax.Array  # [b] accepted + 1
+
+
+def draft_block(target, drafter, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array,
+                ctx_len: jax.Array, root: jax.Array, *, block_size: int, mask_token_id: int,
+                proposal: Optional[Proposal]) -> tuple[jax.Array, KVCache]:
+    """Inject `features` [b, C, F] (first ctx_len real) at ctx_start, draft a block after `root`.
+
+    Returns greedy drafts [b, B-1] and the drafter cache. Drafts are always the drafter's argmax:
+    losslessness comes from verification, not from how drafts are chosen.
+    """
+    b = root.shape[0]
+    block = jnp.concatenate([root[:, None], jnp.full((b, block_size - 1), mask_token_id, jnp.int32)], axis=1)
+    if drafter is not None:
+        hidden, drafter_cache = drafter(target.embed_tokens(block), features, ctx_start, ctx_len, drafter_cache)
+        logits = target.logits(hidden[:, 1:])  # [b, B-1, vocab]: slot k predicts position s + k
+    else:
+        logits = jnp.zeros((b, block_size - 1, target.config.vocab_size), jnp.float32)
+    if proposal is not None:
+        logits = proposal(root, ctx_start + ctx_len, logits)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), drafter_cache
+
+
+_STATIC = ("target_def", "drafter_def", "sampling", "block_size", "mask_token_id", "tap_layers", "proposal")
+
+
+def _models(target_def, target_state, drafter_def, drafter_state):
+    target = nnx.merge(target_def, target_state)
+    drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
+    return target, drafter
+
+
+@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("target_cache", "drafter_cache"))
+def spec_prefill(target_state, drafter_state, target_cache: KVCache, drafter_cache: KVCache,
+                 tokens: jax.Array, lengths: jax.Array, key: jax.Array, *, target_def, drafter_def,
+                 sampling: SamplingConfig, block_size: int, mask_token_id: int, tap_layers: tuple[int, ...],
+                 proposal: Optional[Proposal]) -> SpecState:
+    """Target prefill (tokens [b, bucket] right-padded, lengths [b]) + the drafter's first block."""
+    target, drafter = _models(target_def, target_state, drafter_def, drafter_state)
+    b, t = tokens.shape
+    zero = jnp.zeros((b,), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out = target(tokens, positions, target_cache, zero, causal_mask(zero, t, target_cache.max_len),
+                 tap_layers=tap_layers, logits_index=(lengths - 1)[:, None])
+    root = sample(out.logits[:, 0], key, sampling)
+    features = out.taps if out.taps is not None else jnp.zeros((b, t, 1), jnp.float32)
+    drafts, drafter_cache = draft_block(target, drafter, drafter_cache, features, zero, lengths, root,
+                                        block_size=block_size, mask_token_id=mask_token_id, proposal=proposal)
+    return SpecState(out.cache, drafter_cache, root, drafts, lengths)
+
+
+def accept_chain(drafts: jax.Array, choices: jax.Array) -> jax.Array:
+    """Accepted drafts per row: leading k with drafts[k] == choices[k] (choice after slot k). [b]"""
+    match = (drafts == choices[:, :-1]).astype(jnp.int32)  # [b, B-1]
+    return jnp.sum(jnp.cumprod(match, axis=1), axis=1)
+
+
+@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+def spec_step(target_state, drafter_state, state: SpecState, active: jax.Array, key: jax.Array, *,
+              target_def, drafter_def, sampling: SamplingConfig, block_size: int, mask_token_id: int,
+              tap_layers: tuple[int, ...], proposal: Optional[Proposal]) -> tuple[SpecState, StepOutput]:
+    """Verify the current block, accept, emit, inject features and draft the next block."""
+    target, drafter = _models(target_def, target_state, drafter_def, drafter_state)
+    cache = state.target_cache
+    length = state.length
+    tokens = jnp.concatenate([state.root[:, None], state.drafts], axis=1)  # [b, B]
+    positions = length[:, None] + jnp.arange(block_size)[None]
+    out = target(tokens, positions, cache, length, causal_mask(length, block_size, cache.max_len),
+                 tap_layers=tap_layers)
+    choices = sample(out.logits, key, sampling)  # [b, B]: the target's token after each slot
+    accepted = accept_chain(state.drafts, choices)  # [b]
+    bonus = jnp.take_along_axis(choices, accepted[:, None], axis=1)[:, 0]
+    slots = jnp.arange(block_size)[None]
+    padded_drafts = jnp.concatenate([state.drafts, jnp.zeros_like(state.drafts[:, :1])], axis=1)
+    emitted = jnp.where(slots < accepted[:, None], padded_drafts, bonus[:, None])
+    emitted = jnp.where(slots <= accepted[:, None], emitted, -1)
+    new_length = jnp.where(active, length + accepted + 1, length)
+    n_ctx = jnp.where(active, accepted + 1, 0)
+    features = out.taps if out.taps is not None else jnp.zeros((tokens.shape[0], block_size, 1), jnp.float32)
+    drafts, drafter_cache = draft_block(target, drafter, state.drafter_cache, features, length, n_ctx, bonus,
+                                        block_size=block_size, mask_token_id=mask_token_id, proposal=proposal)
+    new_state = SpecState(out.cache, drafter_cache, bonus, drafts, new_length)
+    return new_state, StepOutput(emitted, accepted + 1)

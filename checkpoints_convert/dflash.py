@@ -1,0 +1,52 @@
+"""z-lab DFlash drafter checkpoints: config.json + safetensors with keys `fc.weight`, `layers.i...`.
+
+Keys may carry a `model.` prefix (both spellings exist in the wild); `build_params` strips it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bastion_jax.config import ConfigError, DrafterConfig, TargetConfig
+from checkpoints_convert.errors import ConversionError
+from checkpoints_convert.params import build_params, path_to_name
+
+
+def is_dflash_config(hf: dict[str, Any]) -> bool:
+    return "dflash_config" in hf or "DFlashDraftModel" in (hf.get("architectures") or [])
+
+
+def load_zlab_params(path: Path, dtype: jnp.dtype, target: TargetConfig | None = None
+                     ) -> tuple[DrafterConfig, dict[str, Any]]:
+    from bastion_jax.checkpoint import abstract_state
+    from checkpoints_convert.hf import open_hf
+
+    source = open_hf(Path(path))
+    try:
+        cfg = DrafterConfig.from_hf(source.hf_config, target)
+    except ConfigError as e:
+        raise ConversionError(f"{path}: {e}") from None
+    return cfg, build_params(source, abstract_state(cfg, dtype), dtype)
+
+
+def export_zlab(cfg: DrafterConfig, state: nnx.State, out: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> Path:
+    """Write a drafter as z-lab config.json + model.safetensors (what `load_drafter` reads back)."""
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+    tensors = {path_to_name(tuple(getattr(k, "key", k) for k in kp)): np.asarray(jnp.asarray(v, dtype))
+               for kp, v in flat}
+    save_file(tensors, str(out / "model.safetensors"))
+    hf = cfg.to_hf()
+    hf["torch_dtype"] = jnp.dtype(dtype).name
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    return out
