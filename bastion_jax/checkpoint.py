@@ -108,10 +108,13 @@ def _restore(path: Path, hf: dict[str, Any], kind: str, cfg, dtype: jnp.dtype | 
     import orbax.checkpoint as ocp
 
     meta = hf["bastion_jax"]
-    if meta.get("format") != FORMAT_VERSION or meta.get("kind") != kind:
-        raise CheckpointError(f"{path} is not a bastion_jax {kind} checkpoint (found {meta.get('kind')!r}, "
-                              f"format {meta.get('format')!r})")
-    stored = jnp.dtype(meta["dtype"])
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or meta.get("kind") != kind:
+        found = meta.get("kind") if isinstance(meta, dict) else meta
+        raise CheckpointError(f"{path} is not a bastion_jax {kind} checkpoint (found {found!r})")
+    try:
+        stored = jnp.dtype(meta.get("dtype"))
+    except TypeError:
+        raise CheckpointError(f"{path}/config.json names an unknown dtype {meta.get('dtype')!r}") from None
     target_tree = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
                                nnx.to_pure_dict(abstract_state(cfg, stored)))
     if not (path / "params").is_dir():

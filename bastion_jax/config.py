@@ -129,6 +129,13 @@ class TargetConfig:
             )
         except KeyError as e:
             raise ConfigError(f"config.json is missing required field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"malformed config.json field: {e}") from None
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim")
+        for name in sizes:
+            if getattr(cfg, name) <= 0:
+                raise ConfigError(f"config.json field {name} must be positive, got {getattr(cfg, name)}")
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
         if cfg.num_attention_heads % cfg.num_key_value_heads:
@@ -182,9 +189,12 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"no config.json at {path}")
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"corrupt config.json at {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"corrupt config.json at {path}: expected a JSON object")
+    return data
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -255,6 +265,8 @@ class DrafterConfig:
             )
         except KeyError as e:
             raise ConfigError(f"drafter config.json is missing required field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"malformed drafter config.json field: {e}") from None
 
     def to_hf(self) -> dict[str, Any]:
         """z-lab format config.json."""

@@ -196,6 +196,8 @@ class Engine:
                 raise GenerationError(
                     f"prompt of {longest} tokens does not fit the model's context of {limit} positions")
             max_len = min(-(-(longest + max_new_tokens + slack) // 256) * 256, limit)
+        elif max_len > limit:
+            raise GenerationError(f"--max-len {max_len} exceeds the model's context of {limit} positions")
         if longest + slack >= max_len:
             raise GenerationError(
                 f"prompt of {longest} tokens is longer than the cache ({max_len} slots"

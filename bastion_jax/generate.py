@@ -21,6 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "stdin is not a terminal")
     p.add_argument("--target", help="converted bastion_jax checkpoint dir, HF safetensors dir, or .gguf "
                    "file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", help="DFlash drafter: a z-lab checkpoint dir or a converted one; 'random' builds "
+                   "a tiny randomly initialised drafter that fits the target (for trying the pipeline)")
+    p.add_argument("--mode", choices=["ar", "dflash"], help="decoding mode: ar = plain autoregressive; dflash = "
+                   "chain speculative decoding with the drafter (default: dflash when --drafter is given, else ar)")
+    p.add_argument("--block-size", type=int, default=16, help="block size of a --drafter random (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="maximum new tokens per prompt (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0 = off)")
@@ -59,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.quiet:
             print(msg, file=sys.stderr, flush=True)
 
-    from bastion_jax.checkpoint import CheckpointError, load_target
+    from bastion_jax.checkpoint import CheckpointError, load_drafter, load_target, random_drafter
     from bastion_jax.default_model import DefaultModelError, default_target_dir
     from bastion_jax.engine import Engine, GenerationError, Stats
     from bastion_jax.sampling import SamplingConfig
@@ -73,11 +78,24 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(target)
         log(f"loaded {path} ({target.config.model_type}, {target.config.param_count() / 1e6:.0f}M params, "
             f"{target.dtype.name}) in {time.perf_counter() - t0:.1f}s")
-        engine = Engine(target, tokenizer)
+        drafter = None
+        if args.drafter == "random":
+            from bastion_jax.testing import tiny_drafter_config
+
+            drafter = random_drafter(tiny_drafter_config(target.config, block_size=args.block_size), target.dtype)
+            log(f"drafter: tiny random (block size {args.block_size}; expect few accepted tokens)")
+        elif args.drafter:
+            drafter = load_drafter(args.drafter, target.config, target.dtype)
+            log(f"drafter: {args.drafter} ({drafter.config.num_hidden_layers} layers, block size "
+                f"{drafter.config.block_size})")
+        if args.mode == "dflash" and drafter is None:
+            raise ValueError("--mode dflash needs --drafter DIR (or --drafter random)")
+        mode = args.mode or ("dflash" if drafter else "ar")
+        engine = Engine(target, tokenizer, drafter=drafter)
         ids = [encode_prompt(tokenizer, p, chat=not args.no_chat, system=args.system) for p in prompts]
         stats = Stats()
         gen = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-                   max_len=args.max_len, stats=stats)
+                   max_len=args.max_len, stats=stats, mode=mode)
         if len(ids) == 1:
             detok = IncrementalDetokenizer(tokenizer)
             for step in engine.stream(ids, **gen):
@@ -96,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, DefaultModelError, GenerationError, ValueError) as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
-    log(f"[ar] prompt tokens {stats.prompt_tokens} | {stats.summary()}")
+    log(f"[{stats.mode}] prompt tokens {stats.prompt_tokens} | {stats.summary()}")
     return 0
 
 

@@ -19,7 +19,9 @@ def load_tokenizer(target: "Target"):
     except Exception as e:
         from bastion_jax.checkpoint import CheckpointError
 
-        raise CheckpointError(f"no usable tokenizer in {target.tokenizer_dir}: {e}") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"no usable tokenizer in {target.tokenizer_dir} (need tokenizer.json or "
+                              f"tokenizer_config.json, or a GGUF file): {first}") from None
 
 
 def encode_prompt(tokenizer, text: str, *, chat: bool = True, system: str | None = None) -> list[int]:

@@ -39,6 +39,8 @@ def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16") -> Path:
     from checkpoints_convert.dflash import is_dflash_config, load_zlab_params
 
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"output path exists and is not a directory: {out}")
     if out.exists() and any(out.iterdir()):
         raise ConversionError(f"output directory is not empty: {out}")
     source = open_source(src)

@@ -21,9 +21,12 @@ TOKENIZER_FILES = (
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConversionError(f"unreadable {path.name} in {path.parent}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"unreadable {path.name} in {path.parent}: expected a JSON object")
+    return data
 
 
 def _weight_map(directory: Path) -> dict[str, Path]:
@@ -53,7 +56,10 @@ def hf_generation_eos(directory: Path) -> list[int]:
     if not gen.is_file():
         return []
     eos = _read_json(gen).get("eos_token_id")
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    try:
+        return [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    except (TypeError, ValueError):
+        raise ConversionError(f"malformed eos_token_id {eos!r} in {gen}") from None
 
 
 def open_hf(directory: Path) -> Source:

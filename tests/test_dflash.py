@@ -1,0 +1,217 @@
+"""DFlash drafter and chain speculative decoding.
+
+Drafter forward vs an independent NumPy reference; T=0 output token-identical to AR for random,
+oracle and half-right drafters; T>0 sampling distribution equals the target's; pair validation.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from dflash_reference import random_zlab_drafter, reference_draft_logits
+from flax import nnx
+from safetensors.numpy import save_file
+
+from bastion_jax.checkpoint import CheckpointError, load_drafter, random_drafter
+from bastion_jax.config import TargetConfig
+from bastion_jax.engine import Engine
+from bastion_jax.modeling.cache import KVCache, causal_mask
+from bastion_jax.sampling import SamplingConfig
+from bastion_jax.testing import tiny_drafter_config
+from checkpoints_convert import convert
+from checkpoints_convert.dflash import export_zlab
+
+
+def _target_cfg_for(zcfg: dict) -> TargetConfig:
+    return TargetConfig(model_type="qwen3", vocab_size=zcfg["vocab_size"], hidden_size=zcfg["hidden_size"],
+                        intermediate_size=64, num_hidden_layers=zcfg["num_target_layers"],
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+def _write_zlab(directory, cfg: dict, weights: dict, prefix: str = ""):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg))
+    save_file({prefix + k: np.asarray(v, np.float32) for k, v in weights.items()}, str(directory / "model.safetensors"))
+    return directory
+
+
+@pytest.mark.parametrize("prefix", ["", "model."])
+def test_drafter_forward_matches_numpy_reference_across_cached_calls(tmp_path, prefix):
+    """Context injected over two calls (with padding) == one reference call over all features."""
+    rng = np.random.default_rng(0)
+    zcfg, weights = random_zlab_drafter(rng, block_size=5)
+    drafter = load_drafter(_write_zlab(tmp_path / "z", zcfg, weights, prefix), _target_cfg_for(zcfg), jnp.float32)
+    model = nnx.merge(drafter.graphdef, drafter.state)
+    v, h = zcfg["vocab_size"], zcfg["hidden_size"]
+    embed = rng.normal(size=(v, h)).astype(np.float32)
+    lm_head = rng.normal(size=(v, h)).astype(np.float32)
+    n_c, split, pad = 11, 7, 8
+    feats = rng.normal(size=(n_c, 2 * h)).astype(np.float32)
+    cache = KVCache.create(drafter.config, 1, 32, jnp.float32)
+
+    def call(ctx, ctx_start, root, cache):
+        c = np.zeros((1, pad, 2 * h), np.float32)
+        c[0, : len(ctx)] = ctx
+        block = np.array([root] + [zcfg["dflash_config"]["mask_token_id"]] * 4)
+        out, cache = model(jnp.asarray(embed[block][None]), jnp.asarray(c), jnp.array([ctx_start]),
+                           jnp.array([len(ctx)]), cache)
+        return np.asarray(out)[0, 1:] @ lm_head.T, cache
+
+    _, cache = call(feats[:split], 0, 3, cache)
+    got, _ = call(feats[split:], split, 17, cache)
+    ref = reference_draft_logits(weights, zcfg, embed, lm_head, feats, 17)
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_zlab_export_convert_roundtrip(tmp_path, converted):
+    _, target = converted("qwen3")
+    d = random_drafter(tiny_drafter_config(target.config, block_size=4), seed=3)
+    export_zlab(d.config, d.state, tmp_path / "zlab", dtype=jnp.float32)
+    convert(tmp_path / "zlab", tmp_path / "ours", dtype="float32")
+    for path in (tmp_path / "zlab", tmp_path / "ours"):
+        back = load_drafter(path, target.config)
+        assert back.config == d.config
+        for a, b in zip(jax.tree.leaves(d.state), jax.tree.leaves(back.state)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("hidden_size", 48, "hidden_size"),
+    ("vocab_size", 50, "vocab_size"),
+    ("target_layer_ids", [0, 9], "target_layer_ids"),
+    ("mask_token_id", 500, "mask_token_id"),
+])
+def test_drafter_target_mismatch_is_one_clear_error(tmp_path, converted, field, value, needle):
+    _, target = converted("qwen3")
+    d = random_drafter(tiny_drafter_config(target.config, block_size=4))
+    out = export_zlab(d.config, d.state, tmp_path / "z", dtype=jnp.float32)
+    cfg = json.loads((out / "config.json").read_text())
+    if field in ("target_layer_ids", "mask_token_id"):
+        cfg["dflash_config"][field] = value
+    else:
+        cfg[field] = value
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=needle) as e:
+        load_drafter(out, target.config)
+    assert "\n" not in str(e.value) and "drafter" in str(e.value)
+
+
+# -- chain speculative decoding -----------------------------------------------------------------
+
+BLOCK = 6
+PROMPTS = [[5, 9, 11, 40], [7, 3, 20, 21, 22, 23, 24, 25, 60]]
+
+
+def _greedy_table(target, prompt, n):
+    """prompt + n greedy tokens, the oracle's answer key."""
+    ar = Engine(target, stop_ids=[-1]).generate([prompt], max_new_tokens=n).tokens[0]
+    return np.array(list(prompt) + ar, np.int32)
+
+
+def _table_proposal(table: np.ndarray, vocab: int, correct_upto: int):
+    """Drafts from the answer key for slots k <= correct_upto, a wrong token after that."""
+    table = jnp.asarray(table)
+
+    def propose(root, start, logits):
+        k = jnp.arange(1, logits.shape[1] + 1)
+        idx = jnp.clip(start[:, None] + k[None], 0, table.shape[0] - 1)
+        tok = table[idx]
+        tok = jnp.where(k[None] <= correct_upto, tok, (tok + 1) % vocab)
+        return jax.nn.one_hot(tok, vocab)
+
+    return propose
+
+
+def _random_proposal(vocab: int):
+    def propose(root, start, logits):
+        key = jax.random.fold_in(jax.random.PRNGKey(7), start[0])
+        return jax.random.normal(key, logits.shape)
+
+    return propose
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama3"])
+def test_t0_identical_to_ar_with_random_drafter_model(converted, arch):
+    _, target = converted(arch)
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK), seed=1)
+    engine = Engine(target, drafter=drafter, stop_ids=[-1])
+    ar = engine.generate(PROMPTS, max_new_tokens=30, mode="ar").tokens
+    res = engine.generate(PROMPTS, max_new_tokens=30, mode="dflash")
+    assert res.tokens == ar
+    assert res.stats.tau >= 1.0
+
+
+@pytest.mark.parametrize("correct_upto,expect_tau", [(BLOCK - 1, BLOCK), (2, 3), (0, 1)])
+def test_t0_identical_to_ar_with_oracle_and_partial_drafters(converted, correct_upto, expect_tau):
+    _, target = converted("qwen3")
+    n = 30
+    prompt = PROMPTS[0]
+    table = _greedy_table(target, prompt, n + BLOCK)
+    engine = Engine(target, stop_ids=[-1], block_size=BLOCK,
+                    proposal=_table_proposal(table, target.config.vocab_size, correct_upto))
+    res = engine.generate([prompt], max_new_tokens=n, mode="dflash")
+    assert res.tokens[0] == table[len(prompt): len(prompt) + n].tolist()
+    assert res.stats.tau == pytest.approx(expect_tau)
+
+
+def test_t0_identical_to_ar_with_random_proposal_and_stop_token(converted):
+    _, target = converted("llama3")
+    table = _greedy_table(target, PROMPTS[1], 40)
+    stop = int(table[len(PROMPTS[1]) + 12])  # a token the greedy output reaches
+    ar = Engine(target, stop_ids=[stop]).generate(PROMPTS, max_new_tokens=40).tokens
+    engine = Engine(target, stop_ids=[stop], block_size=BLOCK, proposal=_random_proposal(target.config.vocab_size))
+    assert engine.generate(PROMPTS, max_new_tokens=40, mode="dflash").tokens == ar
+    assert ar[1][-1] == stop
+
+
+def test_no_recompilation_after_warmup_dflash(converted):
+    _, target = converted("qwen3")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK))
+    engine = Engine(target, drafter=drafter, stop_ids=[-1])
+    engine.generate([PROMPTS[0]], max_new_tokens=12)
+    n = engine.compilations
+    engine.generate([[4, 4, 4]], max_new_tokens=12)
+    assert engine.compilations == n == 2
+
+
+def test_sampling_through_verification_matches_target_distribution(tmp_path):
+    """Joint law of the first two sampled tokens equals the target's, for drafts that are often
+    accepted. A rule that accepted drafts by argmax (as public BASTION code does at T>0) fails."""
+    from bastion_jax.checkpoint import load_target
+    from bastion_jax.testing import save_tiny_hf
+
+    save_tiny_hf("qwen3", tmp_path / "hf", vocab_size=6, seed=5)
+    target = load_target(tmp_path / "hf", jnp.float32)
+    prompt = [1, 4, 3]
+    model = nnx.merge(target.graphdef, target.state)
+
+    def next_probs(seq):
+        ids = jnp.asarray([seq])
+        start = jnp.zeros(1, jnp.int32)
+        cache = KVCache.create(target.config, 1, 16, jnp.float32)
+        out = model(ids, jnp.arange(len(seq))[None], cache, start, causal_mask(start, len(seq), 16))
+        return np.asarray(jax.nn.softmax(out.logits[0, -1]), np.float64)
+
+    v = 6
+    p1 = next_probs(prompt)
+    joint = np.array([[p1[a] * next_probs(prompt + [a])[b] for b in range(v)] for a in range(v)])
+    # Propose, after every root, the target's most likely continuation token: accepted often.
+    argmax_next = np.array([np.argmax(next_probs(prompt + [a])) for a in range(v)])
+    table = jnp.asarray(argmax_next)
+
+    def propose(root, start, logits):
+        return jax.nn.one_hot(jnp.broadcast_to(table[root][:, None], logits.shape[:2]), v)
+
+    n = 6000
+    engine = Engine(target, stop_ids=[-1], block_size=3, proposal=propose)
+    res = engine.generate([prompt] * n, max_new_tokens=2, mode="dflash", sampling=SamplingConfig(1.0), seed=11)
+    pairs = np.array([t[:2] for t in res.tokens])
+    counts = np.zeros((v, v))
+    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
+    exp = joint * n
+    m = exp > 5
+    chi2 = ((counts[m] - exp[m]) ** 2 / exp[m]).sum()
+    assert res.stats.tau > 1.2  # drafts were really accepted
+    assert chi2 < 80.0, chi2  # ~35 dof: p < 1e-4 for a correct sampler
