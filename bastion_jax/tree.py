@@ -1,0 +1,104 @@
+"""Best-first draft trees built on device with static shapes (pure jnp, jittable, vmappable).
+
+The drafter's marginals are position-wise, so every depth-d node has the same K candidate children
+(the top-K tokens of block position d) and a path's score is the sum of its tokens' log-probs.
+The N best prefixes are found without a heap: keep the N best nodes at depth 1; at each further
+depth take the top N of (kept parents) x (K tokens); then the global top N over all depths, by
+score descending and depth ascending. A node of the global top N always has its parent in the
+previous depth's top N (a child never outscores its parent and ties go to the shallower node), so
+this equals the best-first heap of BASTION's builder, and that order puts parents before
+children: every prefix of the node list is a valid tree, for every bucket.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Tree(NamedTuple):
+    """A draft tree of `n` nodes, node 0 the root; per-row arrays (add a leading batch axis)."""
+
+    tokens: jax.Array  # [n] int32; padding nodes hold -1 and can never match a target choice
+    parents: jax.Array  # [n] int32; -1 for the root, padding nodes point at the root
+    depths: jax.Array  # [n] int32; root 0
+    log_probs: jax.Array  # [n] f32 path log-probability; root 0, padding -inf
+    ancestors: jax.Array  # [n, n] bool; [i, j] = node j is node i or an ancestor of i
+
+
+def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int) -> Tree:
+    """Top `num_nodes - 1` prefixes of the lattice `log_probs` [depth, vocab] under `root`.
+
+    `log_probs` row d-1 is the drafter's log-distribution for depth d (block slot d).
+    """
+    depth, vocab = log_probs.shape
+    m = num_nodes - 1  # non-root nodes
+    k = min(top_k, vocab)
+    top_lp, top_tok = jax.lax.top_k(log_probs.astype(jnp.float32), k)  # [depth, k]
+    neg_inf = jnp.float32(-jnp.inf)
+
+    def keep_best(scores: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Top m of a flat candidate list, padded with -inf when there are fewer than m."""
+        if scores.shape[0] < m:
+            scores = jnp.concatenate([scores, jnp.full((m - scores.shape[0],), neg_inf)])
+        return jax.lax.top_k(scores, m)
+
+    # Depth 1: children of the root.
+    s, idx = keep_best(top_lp[0])  # [m]
+    level_scores, level_parent, level_tok = [s], [jnp.full((m,), -1, jnp.int32)], [
+        jnp.where(idx < k, top_tok[0][jnp.minimum(idx, k - 1)], -1)]
+    for d in range(1, depth):
+        cand = (level_scores[-1][:, None] + top_lp[d][None, :]).reshape(-1)  # [m * k]
+        s, idx = keep_best(cand)
+        parent, rank = idx // k, idx % k
+        level_scores.append(s)
+        level_parent.append(parent.astype(jnp.int32))
+        level_tok.append(top_tok[d][rank])
+
+    scores = jnp.concatenate(level_scores)  # [depth * m], candidate c = (d-1) * m + local
+    cand_depth = jnp.repeat(jnp.arange(1, depth + 1, dtype=jnp.int32), m)
+    # Global order: score descending, then depth ascending (parents before children on ties).
+    order = jax.lax.sort((-scores, cand_depth, jnp.arange(depth * m, dtype=jnp.int32)), num_keys=2,
+                         is_stable=True)[2][:m]
+    node_of = jnp.zeros((depth * m,), jnp.int32).at[order].set(jnp.arange(1, m + 1, dtype=jnp.int32))
+
+    sel_scores = scores[order]
+    sel_depth = cand_depth[order]
+    local_parent = jnp.concatenate(level_parent)[order]  # index within the previous depth's list
+    parent_cand = (sel_depth - 2) * m + local_parent
+    parents = jnp.where(sel_depth == 1, 0, node_of[jnp.clip(parent_cand, 0, depth * m - 1)])
+    valid = jnp.isfinite(sel_scores)
+    tokens = jnp.where(valid, jnp.concatenate(level_tok)[order], -1)
+    parents = jnp.where(valid, parents, 0)
+
+    tree_tokens = jnp.concatenate([root[None].astype(jnp.int32), tokens.astype(jnp.int32)])
+    tree_parents = jnp.concatenate([jnp.array([-1], jnp.int32), parents.astype(jnp.int32)])
+    tree_depths = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.where(valid, sel_depth, 0)])
+    tree_lp = jnp.concatenate([jnp.zeros((1,), jnp.float32), sel_scores])
+    return Tree(tree_tokens, tree_parents, tree_depths, tree_lp, ancestor_mask(tree_parents, depth))
+
+
+def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
+    """[n, n] bool closure of the parent relation (self included): `max_depth` hops towards the root."""
+    n = parents.shape[0]
+    hop = jnp.where(parents < 0, jnp.arange(n), parents)  # root points at itself
+    anc = jnp.eye(n, dtype=bool)
+    cur = jnp.arange(n)
+    for _ in range(max_depth):
+        cur = hop[cur]
+        anc = anc.at[jnp.arange(n), cur].set(True)
+    return anc
+
+
+def surrogate_curve(tree: Tree, buckets: tuple[int, ...]) -> jax.Array:
+    """Expected accepted draft tokens A(b) = sum of path probabilities of nodes 1..b-1, per bucket."""
+    cum = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.exp(tree.log_probs[1:]))])  # [n]
+    return cum[jnp.asarray([b - 1 for b in buckets])]
+
+
+def slice_tree(tree: Tree, n: int) -> Tree:
+    """The first `n` nodes (a valid tree, since parents precede children)."""
+    return Tree(tree.tokens[..., :n], tree.parents[..., :n], tree.depths[..., :n], tree.log_probs[..., :n],
+                tree.ancestors[..., :n, :n])

@@ -1,0 +1,93 @@
+"""Device tree construction vs brute-force enumeration of the top-N prefixes."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bastion_jax.tree import build_tree, slice_tree, surrogate_curve
+
+
+def brute_force(log_probs: np.ndarray, m: int, top_k: int) -> list[tuple[float, tuple[int, ...]]]:
+    """All prefixes (token paths) whose tokens are in each depth's top-k, best m by path score."""
+    depth, vocab = log_probs.shape
+    allowed = [np.argsort(-log_probs[d])[:top_k] for d in range(depth)]
+    paths = []
+    for d in range(1, depth + 1):
+        for toks in itertools.product(*allowed[:d]):
+            paths.append((float(sum(log_probs[i, t] for i, t in enumerate(toks))), toks))
+    paths.sort(key=lambda p: (-p[0], len(p[1])))
+    return paths[:m]
+
+
+def node_paths(tree) -> list[tuple[int, ...]]:
+    tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
+    out = []
+    for i in range(1, len(tokens)):
+        path, j = [], i
+        while j > 0:
+            path.append(int(tokens[j]))
+            j = int(parents[j])
+        out.append(tuple(reversed(path)))
+    return out
+
+
+def random_lattice(rng, depth, vocab):
+    return np.asarray(jax.nn.log_softmax(jnp.asarray(rng.normal(size=(depth, vocab)) * 2.0), axis=-1))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tree_equals_brute_force_top_n(seed):
+    rng = np.random.default_rng(seed)
+    depth, vocab = int(rng.integers(1, 5)), int(rng.integers(2, 6))
+    top_k = int(rng.integers(1, vocab + 1))
+    total = sum(top_k ** d for d in range(1, depth + 1))
+    n = int(rng.integers(2, total + 3))  # sometimes more nodes than the lattice has
+    lp = random_lattice(rng, depth, vocab)
+    tree = jax.jit(build_tree, static_argnums=(2, 3))(jnp.int32(7), jnp.asarray(lp), n, top_k)
+    ref = brute_force(lp, n - 1, top_k)
+    valid = np.asarray(tree.tokens)[1:] >= 0
+    assert valid.sum() == len(ref) == min(n - 1, total)
+    assert node_paths(tree)[: len(ref)] == [p for _, p in ref]  # same nodes, same order
+    np.testing.assert_allclose(np.asarray(tree.log_probs)[1:][valid], [s for s, _ in ref], rtol=1e-5, atol=1e-5)
+    # Structure: root first, parents precede children, depths and the ancestor closure agree.
+    parents, depths = np.asarray(tree.parents), np.asarray(tree.depths)
+    assert parents[0] == -1 and int(tree.tokens[0]) == 7
+    assert (parents[1:] < np.arange(1, n)).all()
+    assert (depths[1:][valid] == depths[parents[1:][valid]] + 1).all()
+    anc = np.asarray(tree.ancestors)
+    for i in range(n):
+        chain, j = {i}, i
+        while parents[j] >= 0:
+            j = parents[j]
+            chain.add(j)
+        assert set(np.flatnonzero(anc[i])) == chain
+
+
+def test_every_prefix_is_a_tree_and_surrogate_is_path_probability_sum():
+    rng = np.random.default_rng(0)
+    lp = random_lattice(rng, 6, 20)
+    tree = build_tree(jnp.int32(1), jnp.asarray(lp), 64, 8)
+    buckets = (1, 2, 16, 32, 64)
+    curve = np.asarray(surrogate_curve(tree, buckets))
+    probs = np.exp(np.asarray(tree.log_probs))
+    for b, a in zip(buckets, curve):
+        sub = slice_tree(tree, b)
+        assert (np.asarray(sub.parents)[1:] < np.arange(1, b)).all()
+        np.testing.assert_allclose(a, probs[1:b].sum(), rtol=1e-5)
+    assert curve[0] == 0.0
+    # Path probabilities are non-increasing along the list (best-first order).
+    assert (np.diff(np.asarray(tree.log_probs)[1:]) <= 1e-6).all()
+
+
+def test_batched_with_vmap():
+    rng = np.random.default_rng(1)
+    lps = jnp.asarray(np.stack([random_lattice(rng, 3, 5) for _ in range(3)]))
+    roots = jnp.array([1, 2, 3])
+    batched = jax.vmap(build_tree, in_axes=(0, 0, None, None))(roots, lps, 10, 4)
+    for i in range(3):
+        single = build_tree(roots[i], lps[i], 10, 4)
+        for a, b in zip(batched, single):
+            np.testing.assert_array_equal(np.asarray(a)[i], np.asarray(b))
