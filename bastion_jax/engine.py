@@ -18,15 +18,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bastion_jax import decoding, speculative
+from bastion_jax import decoding, speculative, tree_decoding
 from bastion_jax.checkpoint import LoadedDrafter, Target
+from bastion_jax.controller import DEFAULT_BUCKETS, Controller, Policy, PolicyError
+from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims
 from bastion_jax.modeling.cache import KVCache
 from bastion_jax.sampling import SamplingConfig
 
 # CPU backends cannot donate buffers; the warning is noise there.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
-MODES = ("ar", "dflash")
+MODES = ("ar", "dflash", "fixed:N", "bastion")
 
 
 class GenerationError(ValueError):
@@ -53,6 +55,7 @@ class Stats:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     compilations: int = 0
+    buckets: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> times chosen
 
     @property
     def tokens_per_s(self) -> float:
@@ -66,8 +69,11 @@ class Stats:
         return self.committed / self.row_steps if self.row_steps else 0.0
 
     def summary(self) -> str:
+        hist = ""
+        if self.buckets:
+            hist = " | buckets " + " ".join(f"{b}:{n}" for b, n in sorted(self.buckets.items()))
         return (f"new tokens {self.new_tokens} | {self.tokens_per_s:.1f} tok/s | tau {self.tau:.2f} | "
-                f"TTFT {self.ttft_s * 1e3:.0f} ms | steps {self.steps} | "
+                f"TTFT {self.ttft_s * 1e3:.0f} ms | steps {self.steps}{hist} | "
                 f"compile {self.compile_s:.1f}s ({self.compilations} compilations)")
 
 
@@ -109,7 +115,9 @@ class Engine:
 
     def __init__(self, target: Target, tokenizer=None, *, drafter: LoadedDrafter | None = None,
                  stop_ids: Sequence[int] | None = None, proposal: Callable | None = None,
-                 block_size: int | None = None, mask_token_id: int = 0):
+                 block_size: int | None = None, mask_token_id: int = 0,
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, top_k: int = 128,
+                 latency: LatencyModel | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -127,6 +135,15 @@ class Engine:
         self.stop_ids = frozenset(int(s) for s in stop_ids)
         self._compiled: dict[tuple, Any] = {}
         self.compilations = 0
+        self.buckets = tuple(sorted(set(int(b) for b in buckets)))
+        self.top_k = top_k
+        self.latency = latency or self.default_latency_model()
+
+    def default_latency_model(self) -> LatencyModel:
+        bpv = jnp.dtype(self.target.dtype).itemsize
+        d = self.drafter
+        return LatencyModel(ModelDims.of(self.target.config, bpv), DevicePeaks.detect(), self.buckets,
+                            ModelDims.of(d.config, bpv) if d else None, self.block_size or 1)
 
     @property
     def default_mode(self) -> str:
@@ -177,6 +194,26 @@ class Engine:
                                 static)
         return prefill, step
 
+    def _tree_fns(self, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig,
+                  step_buckets: Sequence[int]):
+        """(prefill, {bucket: step}) executables of the tree policies; compiled now if not yet."""
+        i32 = jnp.int32
+        lengths = jax.ShapeDtypeStruct((batch,), i32)
+        rng = jax.random.PRNGKey(0)
+        static = dict(self._spec_static(sampling), buckets=self.buckets, top_k=self.top_k)
+        dstate = self.drafter.state if self.drafter else None
+        tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
+        dcache = jax.eval_shape(lambda: self.new_drafter_cache(batch, cache_len))
+        key = ("tree", sampling, batch, cache_len, self.buckets, self.top_k)
+        args = (self.target.state, dstate, tcache, dcache, jax.ShapeDtypeStruct((batch, bucket), i32), lengths, rng)
+        prefill = self._executable(tree_decoding.tree_prefill, key + ("prefill", bucket), args, static)
+        state = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(*a, **static)[0], *args)
+        steps = {b: self._executable(tree_decoding.tree_step, key + ("step", b),
+                                     (self.target.state, dstate, state, jax.ShapeDtypeStruct((batch,), bool), rng),
+                                     dict(static, bucket=b))
+                 for b in step_buckets}
+        return prefill, steps
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache.create(self.target.config, batch, max_len, self.target.dtype)
 
@@ -205,23 +242,21 @@ class Engine:
                 + "); raise --max-len or shorten the prompt")
         return max_len
 
-    def warmup(self, batch: int, prompt_len: int, cache_len: int, sampling: SamplingConfig,
-               mode: str | None = None) -> float:
-        """Compile the prefill bucket and the step for these shapes; returns seconds spent."""
-        t0 = time.perf_counter()
-        self._step_fns(mode or self.default_mode, batch, prefill_bucket(prompt_len, cache_len), cache_len, sampling)
-        return time.perf_counter() - t0
-
     # -- generation --------------------------------------------------------------------------
     def stream(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
                sampling: SamplingConfig = SamplingConfig(), seed: int = 0, mode: str | None = None,
                max_len: int | None = None, stats: Stats | None = None) -> Iterator[list[list[int]]]:
-        """Yield, after every step, the new tokens of each row (empty for finished rows)."""
-        mode = mode or self.default_mode
-        if mode not in MODES:
-            raise GenerationError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
-        if mode == "dflash" and not self.block_size:
-            raise GenerationError("mode dflash needs a drafter (--drafter DIR)")
+        """Yield, after every step, the new tokens of each row (empty for finished rows).
+
+        mode: "ar", "dflash" (top-1 chain), "fixed:N" (always verify an N-node tree) or "bastion"
+        (the controller picks the bucket each step); default dflash with a drafter, else ar.
+        """
+        try:
+            policy = Policy.parse(mode or self.default_mode)
+        except PolicyError as e:
+            raise GenerationError(str(e)) from None
+        if policy.kind != "ar" and not self.block_size:
+            raise GenerationError(f"mode {policy} needs a drafter (--drafter DIR)")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise GenerationError("every prompt needs at least one token")
         if max_new_tokens < 1:
@@ -229,16 +264,26 @@ class Engine:
         vocab = self.target.config.vocab_size
         if any(not 0 <= t < vocab for p in prompts for t in p):
             raise GenerationError(f"prompt token id outside the vocabulary [0, {vocab})")
+        controller = None
+        if policy.uses_tree:
+            try:
+                controller = Controller(policy, self.buckets, self.latency)
+            except PolicyError as e:
+                raise GenerationError(str(e)) from None
         stats = stats if stats is not None else Stats()
-        stats.mode = mode
+        stats.mode = str(policy)
         batch = len(prompts)
         lens = np.array([len(p) for p in prompts], np.int32)
-        slack = self.block_size if mode == "dflash" else 0
+        slack = {"ar": 0, "dflash": self.block_size or 0}.get(policy.kind, max(max(self.buckets), self.block_size or 0))
         cache_len = self.cache_len_for(lens.tolist(), max_new_tokens, max_len, slack)
         bucket = prefill_bucket(int(lens.max()), cache_len)
         before = self.compilations
         t0 = time.perf_counter()
-        prefill, step = self._step_fns(mode, batch, bucket, cache_len, sampling)
+        if policy.uses_tree:
+            step_buckets = [policy.size] if policy.kind == "fixed" else list(self.buckets)
+            prefill, steps = self._tree_fns(batch, bucket, cache_len, sampling, step_buckets)
+        else:
+            prefill, step = self._step_fns(policy.kind, batch, bucket, cache_len, sampling)
         stats.compile_s += time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -248,17 +293,21 @@ class Engine:
         rng = jax.random.PRNGKey(seed)
         rng, sub = jax.random.split(rng)
         tcache = self.new_cache(batch, cache_len)
+        dstate = self.drafter.state if self.drafter else None
         # Every step writes at most `slack` slots past the committed length, so the budget below
         # keeps all writes inside the cache.
         rows = _Rows(batch, min(max_new_tokens, cache_len - int(lens.max()) - slack + 1), self.stop_ids)
-        if mode == "ar":
-            nxt, tcache = prefill(self.target.state, tcache, jnp.asarray(padded), jnp.asarray(lens), sub)
+        prompt_args = (jnp.asarray(padded), jnp.asarray(lens), sub)
+        if policy.kind == "ar":
+            nxt, tcache = prefill(self.target.state, tcache, *prompt_args)
             first = np.asarray(nxt)
-        else:
-            dstate = self.drafter.state if self.drafter else None
-            state = prefill(self.target.state, dstate, tcache, self.new_drafter_cache(batch, cache_len),
-                            jnp.asarray(padded), jnp.asarray(lens), sub)
+        elif policy.kind == "dflash":
+            state = prefill(self.target.state, dstate, tcache, self.new_drafter_cache(batch, cache_len), *prompt_args)
             first = np.asarray(state.root)
+        else:
+            state, curve = prefill(self.target.state, dstate, tcache, self.new_drafter_cache(batch, cache_len),
+                                   *prompt_args)
+            first = np.asarray(state.tree.tokens[:, 0])
         stats.ttft_s += time.perf_counter() - t0
         stats.prompt_tokens += int(lens.sum())
         t1 = time.perf_counter()
@@ -271,16 +320,24 @@ class Engine:
         while not rows.done.all():
             rng, sub = jax.random.split(rng)
             active = ~rows.done
-            if mode == "ar":
+            if policy.kind == "ar":
                 nxt, tcache = step(self.target.state, tcache, jnp.asarray(cur), jnp.asarray(lengths), sub)
-                lengths = lengths + active.astype(np.int32)
                 cur = np.asarray(nxt)
                 new = [[cur[i]] for i in range(batch)]
                 counts = np.ones(batch, np.int64)
-            else:
+            elif policy.kind == "dflash":
                 state, out = step(self.target.state, dstate, state, jnp.asarray(active), sub)
                 toks, counts = np.asarray(out.tokens), np.asarray(out.count)
                 new = [toks[i, : counts[i]] for i in range(batch)]
+            else:
+                context = int(lengths[active].max())
+                b = controller.choose(np.asarray(curve), context, active)
+                ts = time.perf_counter()
+                state, out, curve = steps[b](self.target.state, dstate, state, jnp.asarray(active), sub)
+                toks, counts = np.asarray(out.tokens), np.asarray(out.count)
+                self.latency.observe(b, context, time.perf_counter() - ts)
+                new = [toks[i, : counts[i]] for i in range(batch)]
+            lengths = lengths + np.where(active, counts, 0).astype(np.int32)
             stats.steps += 1
             stats.row_steps += int(active.sum())
             stats.committed += int(counts[active].sum())
@@ -289,6 +346,9 @@ class Engine:
             yield emitted
         stats.decode_s += time.perf_counter() - t1
         stats.compilations += self.compilations - before
+        if controller is not None:
+            for b, n in controller.histogram.items():
+                stats.buckets[b] = stats.buckets.get(b, 0) + n
 
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> Result:
         """Run `stream` to the end; returns new tokens per prompt and statistics."""

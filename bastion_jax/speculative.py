@@ -43,24 +43,30 @@ class StepOutput:
     count: jax.Array  # [b] accepted + 1
 
 
-def draft_block(target, drafter, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array,
-                ctx_len: jax.Array, root: jax.Array, *, block_size: int, mask_token_id: int,
-                proposal: Optional[Proposal]) -> tuple[jax.Array, KVCache]:
-    """Inject `features` [b, C, F] (first ctx_len real) at ctx_start, draft a block after `root`.
+def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array,
+                 ctx_len: jax.Array, root: jax.Array, *, block_size: int, mask_token_id: int,
+                 proposal: Optional[Proposal]) -> tuple[jax.Array, KVCache]:
+    """Inject `features` [b, C, F] (first ctx_len real) at ctx_start, then draft the block after `root`.
 
-    Returns greedy drafts [b, B-1] and the drafter cache. Drafts are always the drafter's argmax:
-    losslessness comes from verification, not from how drafts are chosen.
+    Returns the per-position logits [b, B-1, vocab] (slot k predicts position s + k, s = root's
+    position) and the drafter cache holding context for positions [0, s).
     """
     b = root.shape[0]
     block = jnp.concatenate([root[:, None], jnp.full((b, block_size - 1), mask_token_id, jnp.int32)], axis=1)
     if drafter is not None:
         hidden, drafter_cache = drafter(target.embed_tokens(block), features, ctx_start, ctx_len, drafter_cache)
-        logits = target.logits(hidden[:, 1:])  # [b, B-1, vocab]: slot k predicts position s + k
+        logits = target.logits(hidden[:, 1:])  # [b, B-1, vocab]
     else:
         logits = jnp.zeros((b, block_size - 1, target.config.vocab_size), jnp.float32)
     if proposal is not None:
         logits = proposal(root, ctx_start + ctx_len, logits)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), drafter_cache
+    return logits, drafter_cache
+
+
+def draft_block(*args, **kwargs) -> tuple[jax.Array, KVCache]:
+    """Greedy chain drafts [b, B-1]: losslessness comes from verification, not from drafting."""
+    logits, cache = draft_logits(*args, **kwargs)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
 _STATIC = ("target_def", "drafter_def", "sampling", "block_size", "mask_token_id", "tap_layers", "proposal")

@@ -1,0 +1,160 @@
+"""Latency model: roofline cost of a BASTION step from model dims and device peaks, calibrated per
+compiled bucket from measured step times (offline at warm-up, online by EMA), persisted as JSON.
+
+Verify cost follows BASTION's closed forms (spec D.6): FLOPs and bytes of an s-token forward at
+context c; the step time is max(compute, memory). The drafter's block forward is added the same
+way. Calibration maps the raw roofline of each bucket to measured seconds: t = alpha * raw + beta.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Iterable
+
+# Peak dense bf16 FLOP/s and HBM bytes/s (datasheet values; profiling can measure better ones).
+DEVICE_PEAKS = {
+    "h100": (989e12, 3350e9),
+    "h200": (989e12, 4800e9),
+    "a100": (312e12, 1935e9),
+    "a6000": (155e12, 768e9),
+    "cpu": (2e11, 2e10),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePeaks:
+    name: str
+    flops: float
+    bandwidth: float
+
+    @classmethod
+    def detect(cls) -> "DevicePeaks":
+        import jax
+
+        kind = jax.devices()[0].device_kind.lower()
+        key = "".join(ch for ch in kind if ch.isalnum())
+        for name, (f, bw) in DEVICE_PEAKS.items():
+            if name in key:
+                return cls(name, f, bw)
+        if jax.default_backend() == "cpu":
+            return cls("cpu", *DEVICE_PEAKS["cpu"])
+        return cls(key or "unknown", *DEVICE_PEAKS["h100"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDims:
+    layers: int
+    hidden: int
+    n_q: int
+    n_kv: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    bytes_per_value: int = 2
+
+    @classmethod
+    def of(cls, cfg, bytes_per_value: int) -> "ModelDims":
+        return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                   cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, bytes_per_value)
+
+    def flops(self, s: int, c: int) -> float:
+        """FLOPs of an s-token forward over c cached tokens (projections, attention, MLP, LM head)."""
+        h, hq, hkv = self.hidden, self.n_q * self.head_dim, self.n_kv * self.head_dim
+        per_layer = 2 * s * h * hq + 4 * s * h * hkv + 4 * s * (c + s) * hq + 2 * s * hq * h + 6 * s * h * self.ffn
+        return self.layers * per_layer + 2 * s * h * self.vocab
+
+    def bytes(self, s: int, c: int) -> float:
+        """Bytes moved: weights, KV read + write, activations (BASTION's closed form)."""
+        h, hq, hkv, f, bp = self.hidden, self.n_q * self.head_dim, self.n_kv * self.head_dim, self.ffn, self.bytes_per_value
+        weights = self.vocab * h + self.layers * (2 * h * hq + 2 * h * hkv + 3 * h * f) + h * self.vocab
+        kv = self.layers * (2 * c * hkv + 2 * s * hkv)
+        act = self.layers * (2 * s * h + 4 * s * hq + 2 * s * hkv + 2 * self.n_q * s * (c + s) + 2 * s * h + 4 * s * f)
+        return bp * (weights + kv + act + s * h + s * self.vocab)
+
+    def roofline(self, peaks: DevicePeaks, s: int, c: int) -> float:
+        return max(self.flops(s, c) / peaks.flops, self.bytes(s, c) / peaks.bandwidth)
+
+
+@dataclasses.dataclass
+class LatencyModel:
+    """T_hat(b, c) for every compiled bucket b; `alpha`/`beta` per bucket, online EMA corrections."""
+
+    target: ModelDims
+    peaks: DevicePeaks
+    buckets: tuple[int, ...]
+    drafter: ModelDims | None = None
+    block_size: int = 1
+    alpha: dict[int, float] = dataclasses.field(default_factory=dict)
+    beta: dict[int, float] = dataclasses.field(default_factory=dict)
+    ema: dict[int, float] = dataclasses.field(default_factory=dict)  # measured / predicted, per bucket
+    ema_rate: float = 0.1
+
+    def raw(self, b: int, c: int) -> float:
+        """Uncalibrated roofline seconds of one step: verify b nodes, then draft one block."""
+        t = self.target.roofline(self.peaks, b, c)
+        if self.drafter is not None:
+            t += self.drafter.roofline(self.peaks, self.block_size, c) - self.drafter.bytes_per_value * (
+                2 * self.drafter.vocab * self.drafter.hidden) / self.peaks.bandwidth  # no embed/LM head of its own
+            t += 2 * self.block_size * self.target.hidden * self.target.vocab / self.peaks.flops  # borrowed LM head
+        return t
+
+    def predict(self, b: int, c: int) -> float:
+        fitted = self.alpha.get(b, 1.0) * self.raw(b, c) + self.beta.get(b, 0.0)
+        return fitted * self.ema.get(b, 1.0)
+
+    def fit(self, samples: Iterable[tuple[int, int, float]]) -> None:
+        """Offline calibration: per bucket, least squares of measured seconds on raw roofline."""
+        by_bucket: dict[int, list[tuple[float, float]]] = {}
+        for b, c, t in samples:
+            by_bucket.setdefault(b, []).append((self.raw(b, c), t))
+        for b, pts in by_bucket.items():
+            xs, ts = [p[0] for p in pts], [p[1] for p in pts]
+            mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
+            var = sum((x - mx) ** 2 for x in xs)
+            alpha = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / var if var > 0 else 0.0
+            beta = mt - alpha * mx
+            if alpha <= 0 or beta < 0:  # degenerate fit: keep it proportional to the roofline
+                alpha, beta = mt / mx, 0.0
+            self.alpha[b], self.beta[b] = alpha, beta
+            self.ema.pop(b, None)
+
+    def observe(self, b: int, c: int, seconds: float) -> None:
+        """Online calibration: EMA of measured / predicted for this bucket."""
+        base = self.alpha.get(b, 1.0) * self.raw(b, c) + self.beta.get(b, 0.0)
+        if base > 0 and math.isfinite(seconds):
+            r = seconds / base
+            self.ema[b] = r if b not in self.ema else (1 - self.ema_rate) * self.ema[b] + self.ema_rate * r
+
+    # -- persistence -----------------------------------------------------------------------
+    def key(self, model_name: str, dtype: str) -> str:
+        ident = json.dumps([self.peaks.name, model_name, dtype, list(self.buckets),
+                            dataclasses.asdict(self.target), self.drafter and dataclasses.asdict(self.drafter)])
+        return hashlib.sha1(ident.encode()).hexdigest()[:16]
+
+    def to_json(self, model_name: str, dtype: str) -> dict:
+        return {"device": self.peaks.name, "model": model_name, "dtype": dtype, "buckets": list(self.buckets),
+                "key": self.key(model_name, dtype),
+                "calibration": {str(b): {"alpha": self.alpha.get(b, 1.0), "beta": self.beta.get(b, 0.0),
+                                         "ema": self.ema.get(b, 1.0)} for b in self.buckets}}
+
+    def load_json(self, data: dict, model_name: str, dtype: str) -> bool:
+        """Adopt a saved calibration if it was made for this device/model/dtype/bucket set."""
+        if data.get("key") != self.key(model_name, dtype):
+            return False
+        for b, v in data.get("calibration", {}).items():
+            self.alpha[int(b)], self.beta[int(b)], self.ema[int(b)] = v["alpha"], v["beta"], v["ema"]
+        return True
+
+    def save(self, path: Path, model_name: str, dtype: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(model_name, dtype), indent=2))
+
+    def load(self, path: Path, model_name: str, dtype: str) -> bool:
+        try:
+            return self.load_json(json.loads(Path(path).read_text()), model_name, dtype)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False

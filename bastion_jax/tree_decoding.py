@@ -1,0 +1,104 @@
+"""BASTION decoding steps: verify a bucketed draft tree in one target forward, then draft the next.
+
+One jitted function per bucket b (root + b-1 nodes; b static) so every shape is compiled once at
+warm-up. The state keeps the full tree (the largest bucket); a step verifies its first b nodes.
+At temperature T every node gets its own target sample and the walk follows the child equal to
+that sample, so each committed token is an exact target sample (DDTree's rule; public BASTION
+matches argmax instead, which is not lossless).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from bastion_jax.modeling.cache import KVCache, causal_mask
+from bastion_jax.sampling import SamplingConfig, sample
+from bastion_jax.speculative import Proposal, StepOutput, draft_logits
+from bastion_jax.tree import Tree, build_tree, slice_tree, surrogate_curve
+from bastion_jax.verify import compact_cache, tree_attention_mask, walk
+
+
+@struct.dataclass
+class TreeState:
+    target_cache: KVCache
+    drafter_cache: KVCache
+    tree: Tree  # batched, max-bucket nodes; node 0 is the root (last committed token, no K/V yet)
+    length: jax.Array  # [b] committed tokens with K/V in the target cache (= root's position)
+
+
+_STATIC = ("target_def", "drafter_def", "sampling", "block_size", "mask_token_id", "tap_layers", "proposal",
+           "buckets", "top_k")
+
+
+def _models(target_def, target_state, drafter_def, drafter_state):
+    target = nnx.merge(target_def, target_state)
+    return target, (nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None)
+
+
+def _next_tree(target, drafter, drafter_cache, features, ctx_start, ctx_len, root, *, block_size, mask_token_id,
+               proposal, buckets, top_k):
+    logits, drafter_cache = draft_logits(target, drafter, drafter_cache, features, ctx_start, ctx_len, root,
+                                         block_size=block_size, mask_token_id=mask_token_id, proposal=proposal)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [b, B-1, vocab]
+    tree = jax.vmap(build_tree, in_axes=(0, 0, None, None))(root, log_probs, max(buckets), top_k)
+    curve = jax.vmap(surrogate_curve, in_axes=(0, None))(tree, buckets)  # [b, n_buckets]
+    return tree, curve, drafter_cache
+
+
+@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("target_cache", "drafter_cache"))
+def tree_prefill(target_state, drafter_state, target_cache: KVCache, drafter_cache: KVCache, tokens: jax.Array,
+                 lengths: jax.Array, key: jax.Array, *, target_def, drafter_def, sampling: SamplingConfig,
+                 block_size: int, mask_token_id: int, tap_layers: tuple[int, ...], proposal: Optional[Proposal],
+                 buckets: tuple[int, ...], top_k: int) -> tuple[TreeState, jax.Array]:
+    """Target prefill + the first draft tree. Returns (state, surrogate curve [b, n_buckets])."""
+    target, drafter = _models(target_def, target_state, drafter_def, drafter_state)
+    b, t = tokens.shape
+    zero = jnp.zeros((b,), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out = target(tokens, positions, target_cache, zero, causal_mask(zero, t, target_cache.max_len),
+                 tap_layers=tap_layers, logits_index=(lengths - 1)[:, None])
+    root = sample(out.logits[:, 0], key, sampling)
+    features = out.taps if out.taps is not None else jnp.zeros((b, t, 1), jnp.float32)
+    tree, curve, drafter_cache = _next_tree(target, drafter, drafter_cache, features, zero, lengths, root,
+                                            block_size=block_size, mask_token_id=mask_token_id,
+                                            proposal=proposal, buckets=buckets, top_k=top_k)
+    return TreeState(out.cache, drafter_cache, tree, lengths), curve
+
+
+@partial(jax.jit, static_argnames=_STATIC + ("bucket",), donate_argnames=("state",))
+def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array, *, bucket: int,
+              target_def, drafter_def, sampling: SamplingConfig, block_size: int, mask_token_id: int,
+              tap_layers: tuple[int, ...], proposal: Optional[Proposal], buckets: tuple[int, ...],
+              top_k: int) -> tuple[TreeState, StepOutput, jax.Array]:
+    """Verify the first `bucket` nodes of the tree, accept, compact, draft the next tree."""
+    target, drafter = _models(target_def, target_state, drafter_def, drafter_state)
+    tree = slice_tree(state.tree, bucket)
+    length = state.length
+    cache = state.target_cache
+    tokens = jnp.maximum(tree.tokens, 0)  # padding nodes (-1) embed token 0; they can never be accepted
+    positions = length[:, None] + tree.depths  # [b, n]
+    mask = tree_attention_mask(length, tree.ancestors, cache.max_len)
+    out = target(tokens, positions, cache, length, mask, tap_layers=tap_layers)
+    choices = sample(out.logits, key, sampling)  # [b, n]: the target's token after each node
+    depth = block_size - 1
+    path, accepted = jax.vmap(walk, in_axes=(0, 0, 0, None))(tree.tokens, tree.parents, choices, depth)
+    last = jnp.take_along_axis(path, accepted[:, None], axis=1)[:, 0]
+    bonus = jnp.take_along_axis(choices, last[:, None], axis=1)[:, 0]
+    slots = jnp.arange(depth + 1)[None]
+    path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)  # [b, depth + 1], root first
+    emitted = jnp.where(slots < accepted[:, None], jnp.roll(path_tokens, -1, axis=1), bonus[:, None])
+    emitted = jnp.where(slots <= accepted[:, None], emitted, -1)
+    target_cache = compact_cache(out.cache, length, path)
+    features = (jnp.take_along_axis(out.taps, path[:, :, None], axis=1) if out.taps is not None
+                else jnp.zeros((tokens.shape[0], depth + 1, 1), jnp.float32))  # [b, depth + 1, F]
+    new_length = jnp.where(active, length + accepted + 1, length)
+    n_ctx = jnp.where(active, accepted + 1, 0)
+    next_tree, curve, drafter_cache = _next_tree(target, drafter, state.drafter_cache, features, length, n_ctx,
+                                                 bonus, block_size=block_size, mask_token_id=mask_token_id,
+                                                 proposal=proposal, buckets=buckets, top_k=top_k)
+    return TreeState(target_cache, drafter_cache, next_tree, new_length), StepOutput(emitted, accepted + 1), curve

@@ -1,0 +1,55 @@
+"""Tree verification pieces: attention mask, the accept walk, and KV/feature compaction."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from bastion_jax.modeling.cache import KVCache, write_rows
+
+
+def tree_attention_mask(start: jax.Array, ancestors: jax.Array, kv_len: int) -> jax.Array:
+    """[b, n, kv_len] visibility for tree nodes written at slots start[b] + i.
+
+    Node i sees every committed slot (< start) and, inside the tree, exactly its ancestors and
+    itself. Padding nodes see the same, but no real node ever sees them.
+    """
+    n = ancestors.shape[-1]
+    rel = jnp.arange(kv_len)[None, :] - start[:, None]  # [b, kv_len] slot offset from the tree start
+    in_tree = (rel >= 0) & (rel < n)
+    tree_vis = jnp.take_along_axis(ancestors, jnp.clip(rel, 0, n - 1)[:, None, :].repeat(n, axis=1), axis=2)
+    return (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_vis)
+
+
+def walk(tokens: jax.Array, parents: jax.Array, choices: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array]:
+    """Follow the target from the root: repeatedly move to the child whose token equals the current
+    node's choice (siblings are distinct tokens, so at most one). One row: tokens/parents/choices [n].
+
+    Returns (path [max_depth + 1] node indices, root first; entries past `accepted` repeat the
+    last node) and `accepted` (number of draft nodes on the path).
+    """
+    cur = jnp.int32(0)
+    alive = jnp.bool_(True)
+    accepted = jnp.int32(0)
+    path = [cur]
+    for _ in range(max_depth):
+        match = (parents == cur) & (tokens == choices[cur])
+        alive = alive & match.any()
+        cur = jnp.where(alive, jnp.argmax(match).astype(jnp.int32), cur)
+        accepted = accepted + alive.astype(jnp.int32)
+        path.append(cur)
+    return jnp.stack(path), accepted
+
+
+def compact_cache(cache: KVCache, start: jax.Array, path: jax.Array) -> KVCache:
+    """Move the K/V of the accepted path (slots start + path[k]) to contiguous slots start + k.
+
+    Every accepted node was computed at its true position (start + depth) seeing only its
+    ancestors, so after the move the cache equals a sequential pass. path: [b, L].
+    """
+    idx = (start[:, None] + path)[:, :, None, None]  # [b, L, 1, 1]
+
+    def move(buf):
+        return write_rows(buf, jnp.take_along_axis(buf, idx, axis=1), start)
+
+    return KVCache(k=tuple(move(k) for k in cache.k), v=tuple(move(v) for v in cache.v))
