@@ -1,0 +1,198 @@
+"""BASTION tree decoding: AR identity for every policy and bucket, tree-only acceptance,
+compaction, lossless sampling through trees, controller and latency model, no recompilation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bastion_jax.checkpoint import random_drafter
+from bastion_jax.controller import Controller, Policy, PolicyError
+from bastion_jax.engine import Engine, GenerationError
+from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims
+from bastion_jax.modeling.cache import KVCache, causal_mask
+from bastion_jax.sampling import SamplingConfig
+from bastion_jax.testing import tiny_drafter_config
+
+BLOCK = 5
+BUCKETS = (1, 4, 8, 16)
+PROMPT = [5, 9, 11, 40, 41]
+
+
+def greedy_table(target, prompt, n):
+    ar = Engine(target, stop_ids=[-1]).generate([prompt], max_new_tokens=n).tokens[0]
+    return np.array(list(prompt) + ar, np.int32)
+
+
+def table_proposal(table, vocab, mode):
+    """Drafter logits built from the answer key.
+
+    oracle: the right token has most mass; branch: the right token is only the second choice
+    (top-1 is wrong), so only a tree with >= 2 children per node accepts deeply.
+    """
+    table = jnp.asarray(table)
+
+    def propose(root, start, logits):
+        k = jnp.arange(1, logits.shape[1] + 1)
+        right = table[jnp.clip(start[:, None] + k[None], 0, table.shape[0] - 1)]  # [b, B-1]
+        wrong = (right + 1) % vocab
+        out = jnp.full(logits.shape, -10.0)
+        if mode == "oracle":
+            return out + 10.0 * jax.nn.one_hot(right, vocab)
+        return out + 9.9 * jax.nn.one_hot(right, vocab) + 10.0 * jax.nn.one_hot(wrong, vocab)
+
+    return propose
+
+
+@pytest.mark.parametrize("mode", ["fixed:1", "fixed:4", "fixed:8", "fixed:16", "bastion"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama3"])
+def test_t0_identical_to_ar_for_every_policy_with_random_drafter(converted, arch, mode):
+    _, target = converted(arch)
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK), seed=2)
+    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4)
+    prompts = [PROMPT, [7, 3, 20]]
+    ar = engine.generate(prompts, max_new_tokens=24, mode="ar").tokens
+    assert engine.generate(prompts, max_new_tokens=24, mode=mode).tokens == ar
+
+
+@pytest.mark.parametrize("kind,mode,expect_tau", [
+    ("oracle", "fixed:16", BLOCK), ("oracle", "fixed:1", 1.0),
+    ("branch", "fixed:32", BLOCK), ("branch", "bastion", None),
+])
+def test_tree_acceptance_with_oracle_and_branch_correct_drafters(converted, kind, mode, expect_tau):
+    _, target = converted("qwen3")
+    n = 30
+    table = greedy_table(target, PROMPT, n + BLOCK)
+    # top_k=2 and 32 nodes hold the whole binary tree of depth 4 (2 + 4 + 8 + 16 = 30 drafts).
+    engine = Engine(target, stop_ids=[-1], block_size=BLOCK, buckets=BUCKETS + (32,), top_k=2,
+                    proposal=table_proposal(table, target.config.vocab_size, kind))
+    res = engine.generate([PROMPT], max_new_tokens=n, mode=mode)
+    assert res.tokens[0] == table[len(PROMPT): len(PROMPT) + n].tolist()
+    if expect_tau is not None:
+        assert res.stats.tau == pytest.approx(expect_tau)
+    else:
+        assert res.stats.tau > 1.5  # the controller found deep paths that no chain would
+    if kind == "branch":
+        chain = Engine(target, stop_ids=[-1], block_size=BLOCK,
+                       proposal=table_proposal(table, target.config.vocab_size, kind))
+        assert chain.generate([PROMPT], max_new_tokens=n, mode="dflash").stats.tau == 1.0
+
+
+def test_compaction_equals_sequential_cache(converted):
+    """After a tree step, the committed slots of the cache equal those of a plain causal pass."""
+    _, target = converted("llama3")
+    n = 12
+    table = greedy_table(target, PROMPT, n + BLOCK)
+    engine = Engine(target, stop_ids=[-1], block_size=BLOCK, buckets=(16,), top_k=4,
+                    proposal=table_proposal(table, target.config.vocab_size, "branch"))
+    prefill, steps = engine._tree_fns(1, 16, 64, SamplingConfig(), [16])
+    tcache = engine.new_cache(1, 64)
+    padded = np.zeros((1, 16), np.int32)
+    padded[0, : len(PROMPT)] = PROMPT
+    state, _ = prefill(target.state, None, tcache, KVCache(k=(), v=()), jnp.asarray(padded),
+                       jnp.array([len(PROMPT)]), jax.random.PRNGKey(0))
+    state, out, _ = steps[16](target.state, None, state, jnp.array([True]), jax.random.PRNGKey(1))
+    length = int(state.length[0])
+    # Root + >= 2 accepted second-choice drafts: they sat at scattered node slots, so the
+    # compaction really moved K/V.
+    assert length >= len(PROMPT) + 3
+    model = nnx.merge(target.graphdef, target.state)
+    seq = table[:length]
+    ref = KVCache.create(target.config, 1, 64, jnp.float32)
+    zero = jnp.zeros(1, jnp.int32)
+    ref = model(jnp.asarray(seq[None]), jnp.arange(length)[None], ref, zero, causal_mask(zero, length, 64)).cache
+    for got, want in zip(state.target_cache.k + state.target_cache.v, ref.k + ref.v):
+        np.testing.assert_allclose(np.asarray(got)[0, :length], np.asarray(want)[0, :length], atol=1e-5)
+
+
+def test_sampling_through_trees_matches_target_distribution(tmp_path):
+    from bastion_jax.checkpoint import load_target
+    from bastion_jax.testing import save_tiny_hf
+
+    save_tiny_hf("qwen3", tmp_path / "hf", vocab_size=6, seed=5)
+    target = load_target(tmp_path / "hf", jnp.float32)
+    prompt = [1, 4, 3]
+    model = nnx.merge(target.graphdef, target.state)
+
+    def next_probs(seq):
+        start = jnp.zeros(1, jnp.int32)
+        out = model(jnp.asarray([seq]), jnp.arange(len(seq))[None], KVCache.create(target.config, 1, 16, jnp.float32),
+                    start, causal_mask(start, len(seq), 16))
+        return np.asarray(jax.nn.softmax(out.logits[0, -1]), np.float64)
+
+    v = 6
+    p1 = next_probs(prompt)
+    joint = np.array([[p1[a] * next_probs(prompt + [a])[b] for b in range(v)] for a in range(v)])
+    # The drafter's marginal at slot 1 is the target's conditional averaged over roots: the tree
+    # holds several children per node, so acceptance is frequent and a biased rule would show.
+    marg = jnp.asarray(np.log(joint.sum(0) + 1e-9))
+
+    def propose(root, start, logits):
+        return jnp.broadcast_to(marg, logits.shape)
+
+    n = 6000
+    engine = Engine(target, stop_ids=[-1], block_size=3, buckets=(4,), top_k=3, proposal=propose)
+    res = engine.generate([prompt] * n, max_new_tokens=2, mode="fixed:4", sampling=SamplingConfig(1.0), seed=3)
+    pairs = np.array([t[:2] for t in res.tokens])
+    counts = np.zeros((v, v))
+    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
+    exp = joint * n
+    m = exp > 5
+    chi2 = ((counts[m] - exp[m]) ** 2 / exp[m]).sum()
+    assert res.stats.tau > 1.3
+    assert chi2 < 80.0, chi2
+
+
+def test_no_recompilation_after_warmup_bastion(converted):
+    _, target = converted("qwen3")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK))
+    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4)
+    engine.generate([PROMPT], max_new_tokens=10, mode="bastion")
+    n = engine.compilations
+    assert n == 1 + len(BUCKETS)  # prefill + one step per bucket
+    res = engine.generate([[4, 4, 4]], max_new_tokens=10, mode="bastion")
+    assert engine.compilations == n and res.stats.compilations == 0
+
+
+def test_fixed_policy_with_unknown_bucket_is_an_error(converted):
+    _, target = converted("qwen3")
+    engine = Engine(target, stop_ids=[-1], block_size=BLOCK, buckets=BUCKETS,
+                    proposal=lambda r, s, logits: logits)
+    with pytest.raises(GenerationError, match="unknown bucket 12"):
+        engine.generate([PROMPT], max_new_tokens=4, mode="fixed:12")
+    with pytest.raises(GenerationError, match="unknown mode"):
+        engine.generate([PROMPT], max_new_tokens=4, mode="tree")
+
+
+def test_controller_picks_bucket_maximising_tokens_per_second():
+    dims = ModelDims(layers=2, hidden=64, n_q=4, n_kv=2, head_dim=16, ffn=128, vocab=96, bytes_per_value=4)
+    lat = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 4, 16))
+    lat.alpha.update({1: 0.0, 4: 0.0, 16: 0.0})
+    lat.beta.update({1: 1.0, 4: 1.5, 16: 4.0})  # seconds per step, independent of context
+    ctl = Controller(Policy.parse("bastion"), (1, 4, 16), lat)
+    active = np.array([True])
+    # A(b): 0, 2, 2.5 -> tokens/s 1/1, 3/1.5, 3.5/4: bucket 4 wins.
+    assert ctl.choose(np.array([[0.0, 2.0, 2.5]]), 100, active) == 4
+    # Deep trees pay off when A(16) is large: 13/4 > 3/1.5.
+    assert ctl.choose(np.array([[0.0, 2.0, 12.0]]), 100, active) == 16
+    assert dict(ctl.histogram) == {4: 1, 16: 1}
+    with pytest.raises(PolicyError, match="unknown bucket"):
+        Controller(Policy.parse("fixed:8"), (1, 4, 16), lat)
+
+
+def test_latency_fit_recovers_linear_calibration_and_persists(tmp_path):
+    dims = ModelDims(layers=2, hidden=64, n_q=4, n_kv=2, head_dim=16, ffn=128, vocab=96)
+    lat = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8))
+    samples = [(b, c, 3.0 * lat.raw(b, c) + 0.002) for b in (1, 8) for c in (64, 512, 2048)]
+    lat.fit(samples)
+    for b, c, t in samples:
+        assert lat.predict(b, c) == pytest.approx(t, rel=1e-6)
+    lat.observe(8, 512, 2 * lat.predict(8, 512))  # online: a slower measurement moves the EMA
+    assert lat.ema[8] == pytest.approx(2.0)
+    lat.save(tmp_path / "cal.json", "tiny", "float32")
+    fresh = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8))
+    assert fresh.load(tmp_path / "cal.json", "tiny", "float32")
+    assert fresh.predict(8, 512) == pytest.approx(lat.predict(8, 512))
+    other = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8, 16))  # other bucket set: not reused
+    assert not other.load(tmp_path / "cal.json", "tiny", "float32")
