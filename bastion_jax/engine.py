@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bastion_jax import decoding, speculative, tree_decoding
+from bastion_jax import compile_counter, decoding, speculative, tree_decoding
 from bastion_jax.checkpoint import LoadedDrafter, Target
 from bastion_jax.controller import DEFAULT_BUCKETS, Controller, Policy, PolicyError
 from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims
@@ -54,7 +54,8 @@ class Stats:
     compile_s: float = 0.0
     ttft_s: float = 0.0
     decode_s: float = 0.0
-    compilations: int = 0
+    compilations: int = 0  # by the engine during this request (warm-up)
+    compilations_after_warmup: int = 0  # any XLA compilation inside the decode loop (must stay 0)
     buckets: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> times chosen
 
     @property
@@ -74,7 +75,8 @@ class Stats:
             hist = " | buckets " + " ".join(f"{b}:{n}" for b, n in sorted(self.buckets.items()))
         return (f"new tokens {self.new_tokens} | {self.tokens_per_s:.1f} tok/s | tau {self.tau:.2f} | "
                 f"TTFT {self.ttft_s * 1e3:.0f} ms | steps {self.steps}{hist} | "
-                f"compile {self.compile_s:.1f}s ({self.compilations} compilations)")
+                f"compile {self.compile_s:.1f}s ({self.compilations} at warm-up, "
+                f"{self.compilations_after_warmup} after)")
 
 
 @dataclasses.dataclass
@@ -214,6 +216,32 @@ class Engine:
                  for b in step_buckets}
         return prefill, steps
 
+    def calibrate(self, cache_len: int, sampling: SamplingConfig = SamplingConfig(),
+                  contexts: Sequence[int] | None = None, reps: int = 1) -> list[tuple[int, int, float]]:
+        """Offline calibration: time every bucket's step at a few context lengths and fit the
+        latency model. Steps run with the row inactive, so the context length stays put."""
+        slack = max(max(self.buckets), self.block_size or 0)
+        top = cache_len - slack - 1
+        contexts = sorted({max(1, c) for c in (contexts or (16, top)) if c <= top})
+        prefill, steps = self._tree_fns(1, 16, cache_len, sampling, self.buckets)
+        dstate = self.drafter.state if self.drafter else None
+        key = jax.random.PRNGKey(0)
+        state, _ = prefill(self.target.state, dstate, self.new_cache(1, cache_len), self.new_drafter_cache(1, cache_len),
+                           jnp.zeros((1, 16), jnp.int32), jnp.ones((1,), jnp.int32), key)
+        inactive = jnp.zeros((1,), bool)
+        samples = []
+        for b, step in steps.items():
+            for c in contexts:
+                for r in range(reps + 1):  # the first run of each point is a warm-up
+                    state = state.replace(length=jnp.full((1,), c, jnp.int32))
+                    t0 = time.perf_counter()
+                    state, out, _ = step(self.target.state, dstate, state, inactive, key)
+                    jax.block_until_ready(out.count)
+                    if r:
+                        samples.append((b, c, time.perf_counter() - t0))
+        self.latency.fit(samples)
+        return samples
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache.create(self.target.config, batch, max_len, self.target.dtype)
 
@@ -317,23 +345,24 @@ class Engine:
         yield emitted
         lengths = lens.copy()
         cur = first
+        compiled_before_loop = compile_counter.compilations()
         while not rows.done.all():
             rng, sub = jax.random.split(rng)
             active = ~rows.done
             if policy.kind == "ar":
-                nxt, tcache = step(self.target.state, tcache, jnp.asarray(cur), jnp.asarray(lengths), sub)
+                nxt, tcache = step(self.target.state, tcache, jax.device_put(cur), jax.device_put(lengths), sub)
                 cur = np.asarray(nxt)
                 new = [[cur[i]] for i in range(batch)]
                 counts = np.ones(batch, np.int64)
             elif policy.kind == "dflash":
-                state, out = step(self.target.state, dstate, state, jnp.asarray(active), sub)
+                state, out = step(self.target.state, dstate, state, jax.device_put(active), sub)
                 toks, counts = np.asarray(out.tokens), np.asarray(out.count)
                 new = [toks[i, : counts[i]] for i in range(batch)]
             else:
                 context = int(lengths[active].max())
                 b = controller.choose(np.asarray(curve), context, active)
                 ts = time.perf_counter()
-                state, out, curve = steps[b](self.target.state, dstate, state, jnp.asarray(active), sub)
+                state, out, curve = steps[b](self.target.state, dstate, state, jax.device_put(active), sub)
                 toks, counts = np.asarray(out.tokens), np.asarray(out.count)
                 self.latency.observe(b, context, time.perf_counter() - ts)
                 new = [toks[i, : counts[i]] for i in range(batch)]
@@ -346,6 +375,7 @@ class Engine:
             yield emitted
         stats.decode_s += time.perf_counter() - t1
         stats.compilations += self.compilations - before
+        stats.compilations_after_warmup += compile_counter.compilations() - compiled_before_loop
         if controller is not None:
             for b, n in controller.histogram.items():
                 stats.buckets[b] = stats.buckets.get(b, 0) + n

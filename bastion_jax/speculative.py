@@ -94,7 +94,7 @@ def spec_prefill(target_state, drafter_state, target_cache: KVCache, drafter_cac
     features = out.taps if out.taps is not None else jnp.zeros((b, t, 1), jnp.float32)
     drafts, drafter_cache = draft_block(target, drafter, drafter_cache, features, zero, lengths, root,
                                         block_size=block_size, mask_token_id=mask_token_id, proposal=proposal)
-    return SpecState(out.cache, drafter_cache, root, drafts, lengths)
+    return SpecState(out.cache, drafter_cache, root, drafts, lengths + 0)  # fresh buffer: donatable
 
 
 def accept_chain(drafts: jax.Array, choices: jax.Array) -> jax.Array:

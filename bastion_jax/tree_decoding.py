@@ -67,7 +67,8 @@ def tree_prefill(target_state, drafter_state, target_cache: KVCache, drafter_cac
     tree, curve, drafter_cache = _next_tree(target, drafter, drafter_cache, features, zero, lengths, root,
                                             block_size=block_size, mask_token_id=mask_token_id,
                                             proposal=proposal, buckets=buckets, top_k=top_k)
-    return TreeState(out.cache, drafter_cache, tree, lengths), curve
+    # `lengths + 0`: a fresh buffer, so the first step can donate the state without a copy.
+    return TreeState(out.cache, drafter_cache, tree, lengths + 0), curve
 
 
 @partial(jax.jit, static_argnames=_STATIC + ("bucket",), donate_argnames=("state",))

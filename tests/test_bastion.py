@@ -153,6 +153,7 @@ def test_no_recompilation_after_warmup_bastion(converted):
     assert n == 1 + len(BUCKETS)  # prefill + one step per bucket
     res = engine.generate([[4, 4, 4]], max_new_tokens=10, mode="bastion")
     assert engine.compilations == n and res.stats.compilations == 0
+    assert res.stats.compilations_after_warmup == 0
 
 
 def test_fixed_policy_with_unknown_bucket_is_an_error(converted):
