@@ -23,14 +23,41 @@ def run(capsys, *argv):
     return rc, out.out, out.err
 
 
-def test_dflash_with_random_drafter_prints_ar_text(capsys, tiny_ckpt):
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BASTION_JAX_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("mode", ["dflash", "fixed:8", None])  # None: the default with a drafter, bastion
+def test_speculative_modes_with_random_drafter_print_ar_text(capsys, tiny_ckpt, mode):
     common = ["w5 w6 w7 w8", "--target", tiny_ckpt, "--no-chat", "--max-new-tokens", "24"]
     rc, ar_text, ar_err = run(capsys, *common)
     assert rc == 0 and "[ar]" in ar_err and ar_text.strip()
-    rc, spec_text, spec_err = run(capsys, *common, "--drafter", "random", "--block-size", "4")
+    extra = ["--mode", mode] if mode else []
+    rc, spec_text, spec_err = run(capsys, *common, "--drafter", "random", "--block-size", "4",
+                                  "--buckets", "1,4,8", *extra)
     assert rc == 0, spec_err
     assert spec_text == ar_text
-    assert "[dflash]" in spec_err and "tau" in spec_err
+    assert f"[{mode or 'bastion'}]" in spec_err and "tau" in spec_err and "0 after" in spec_err
+    if mode != "dflash":
+        assert "buckets " in spec_err
+
+
+def test_bastion_calibrates_once_and_compares_with_ar(capsys, tiny_ckpt):
+    args = ["w5 w6 w7", "--target", tiny_ckpt, "--no-chat", "--max-new-tokens", "16", "--drafter", "random",
+            "--block-size", "4", "--buckets", "1,4,8", "--compare-ar"]
+    rc, out, err = run(capsys, *args)
+    assert rc == 0, err
+    assert "latency calibration: profiled" in err
+    assert "[compare] bastion vs ar: speedup" in err and "text identical to AR: yes" in err
+    rc, out2, err2 = run(capsys, *args)
+    assert rc == 0 and "latency calibration: reused" in err2 and out2 == out
+
+
+def test_fixed_mode_with_unknown_bucket_is_an_error(capsys, tiny_ckpt):
+    rc, out, err = run(capsys, "w5", "--target", tiny_ckpt, "--drafter", "random", "--block-size", "4",
+                       "--buckets", "1,4", "--mode", "fixed:8", "--quiet")
+    assert rc == 2 and out == "" and err.startswith("error:") and "unknown bucket 8" in err
 
 
 def test_batch_prints_json_lines(capsys, tiny_ckpt):

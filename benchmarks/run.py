@@ -1,0 +1,149 @@
+"""Benchmark harness: ar, dflash, a fixed:N sweep and bastion over prompt sets, in one run.
+
+    python -m benchmarks.run --prompts ../shared/data/gsm8k_test.jsonl.gz --max-prompts 10 \
+        --drafter DIR --name smollm2-gsm8k
+
+Per prompt and overall: tau (mean accepted + 1 per step), tokens/s, the ratio to AR measured in
+this run, the bucket histogram, and whether the tokens equal AR's (they must at T=0). Writes
+benchmarks/results/<name>.json and <name>.md. Prompt files are read in place, never copied.
+Runs on CPU with tiny models (slowly) and on GPU for real numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gzip
+import json
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def prompt_text(record: dict) -> str | None:
+    """The first user turn of a record, whatever the data set calls it."""
+    if isinstance(record.get("turns"), list) and record["turns"]:
+        return str(record["turns"][0])
+    for key in ("question", "problem", "prompt", "text"):
+        if isinstance(record.get(key), str):
+            return record[key]
+    if isinstance(record.get("instruction"), str):
+        extra = record.get("input") or ""
+        return record["instruction"] + ("\n\n" + extra if extra else "")
+    return None
+
+
+def read_prompts(path: str, limit: int) -> list[str]:
+    opener = gzip.open if path.endswith(".gz") else open
+    out = []
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    text = prompt_text(json.loads(line))
+                    if text:
+                        out.append(text)
+                if len(out) >= limit:
+                    break
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"error: cannot read prompts from {path}: {e}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", nargs="+", required=True, help="JSONL(.gz) prompt files")
+    p.add_argument("--max-prompts", type=int, default=5, help="prompts per file (default 5)")
+    p.add_argument("--target", help="target checkpoint (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default="random", help="drafter dir, or 'random' (default)")
+    p.add_argument("--block-size", type=int, default=16, help="block size of a random drafter")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--buckets", default="1,4,8,16,32,64")
+    p.add_argument("--fixed", default="4,16,64", help="fixed:N sweep sizes (must be buckets)")
+    p.add_argument("--top-k", type=int, default=128)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--name", default="bench", help="results file name (benchmarks/results/<name>.json)")
+    p.add_argument("--no-calibrate", action="store_true")
+    p.add_argument("--out-dir", default=str(RESULTS), help="where to write <name>.json/.md (default benchmarks/results)")
+    args = p.parse_args(argv)
+
+    import jax
+
+    from bastion_jax.checkpoint import load_drafter, load_target, random_drafter
+    from bastion_jax.controller import parse_buckets
+    from bastion_jax.default_model import default_target_dir
+    from bastion_jax.engine import Engine
+    from bastion_jax.generate import resolve_dtype
+    from bastion_jax.testing import tiny_drafter_config
+    from bastion_jax.text import encode_prompt, load_tokenizer
+
+    target_path = args.target or default_target_dir()
+    target = load_target(target_path, resolve_dtype(args.dtype))
+    tok = load_tokenizer(target)
+    if args.drafter == "random":
+        drafter = random_drafter(tiny_drafter_config(target.config, block_size=args.block_size), target.dtype)
+    else:
+        drafter = load_drafter(args.drafter, target.config, target.dtype)
+    buckets = parse_buckets(args.buckets)
+    engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.top_k)
+    modes = ["ar", "dflash"] + [f"fixed:{n}" for n in parse_buckets(args.fixed)] + ["bastion"]
+
+    prompts = [(Path(f).name.split(".")[0], t) for f in args.prompts for t in read_prompts(f, args.max_prompts)]
+    ids = [encode_prompt(tok, t) for _, t in prompts]
+    longest = max(map(len, ids))
+    slack = max(max(buckets), engine.block_size)
+    cache_len = engine.cache_len_for([longest], args.max_new_tokens, None, slack)
+    if not args.no_calibrate:
+        engine.calibrate(cache_len)
+    device = jax.devices()[0].device_kind
+    rows, totals = [], {m: {"tokens": 0, "seconds": 0.0, "committed": 0, "steps": 0, "buckets": {}} for m in modes}
+    for (source, text), prompt in zip(prompts, ids):
+        ar_tokens = None
+        for mode in modes:
+            res = engine.generate([prompt], max_new_tokens=args.max_new_tokens, mode=mode, max_len=cache_len)
+            s = res.stats
+            if mode == "ar":
+                ar_tokens, ar_tps = res.tokens[0], s.tokens_per_s
+            row = {"source": source, "prompt": text[:80], "mode": mode, "new_tokens": s.new_tokens,
+                   "tau": s.tau, "tokens_per_s": s.tokens_per_s, "ratio_to_ar": s.tokens_per_s / ar_tps,
+                   "identical_to_ar": res.tokens[0] == ar_tokens, "buckets": s.buckets,
+                   "compilations_after_warmup": s.compilations_after_warmup}
+            rows.append(row)
+            t = totals[mode]
+            t["tokens"] += s.new_tokens
+            t["seconds"] += s.ttft_s + s.decode_s
+            t["committed"] += s.committed
+            t["steps"] += s.row_steps
+            for b, n in s.buckets.items():
+                t["buckets"][b] = t["buckets"].get(b, 0) + n
+            print(f"{source:>12} {mode:>9} tau {s.tau:5.2f} {s.tokens_per_s:8.1f} tok/s "
+                  f"x{row['ratio_to_ar']:.2f} identical={row['identical_to_ar']}", file=sys.stderr)
+    ar_rate = totals["ar"]["tokens"] / totals["ar"]["seconds"]
+    overall = {m: {"tau": t["committed"] / t["steps"] if t["steps"] else 0.0,
+                   "tokens_per_s": t["tokens"] / t["seconds"],
+                   "ratio_to_ar": t["tokens"] / t["seconds"] / ar_rate, "buckets": t["buckets"],
+                   "all_identical_to_ar": all(r["identical_to_ar"] for r in rows if r["mode"] == m)}
+               for m, t in totals.items()}
+    meta = {"device": device, "date": datetime.date.today().isoformat(), "target": str(target_path),
+            "drafter": args.drafter, "dtype": target.dtype.name, "max_new_tokens": args.max_new_tokens,
+            "buckets": list(buckets), "prompt_files": [Path(f).name for f in args.prompts],
+            "prompts": len(prompts)}
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "overall": overall, "rows": rows}, indent=2))
+    lines = [f"# {args.name}", "", f"{meta['device']}, {meta['date']}, {meta['dtype']}, drafter {args.drafter}, "
+             f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, T=0", "",
+             "| mode | tau | tokens/s | ratio to AR | identical to AR | buckets |", "|---|---|---|---|---|---|"]
+    for m, o in overall.items():
+        hist = " ".join(f"{b}:{n}" for b, n in sorted(o["buckets"].items()))
+        lines.append(f"| {m} | {o['tau']:.2f} | {o['tokens_per_s']:.1f} | {o['ratio_to_ar']:.2f} | "
+                     f"{'yes' if o['all_identical_to_ar'] else 'NO'} | {hist} |")
+    (out_dir / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""The benchmark harness end to end on a tiny model and a tiny prompt file (CPU)."""
+
+import gzip
+import json
+
+from benchmarks import run
+from bastion_jax.testing import save_tiny_hf
+from checkpoints_convert import convert
+
+
+def test_harness_writes_results_and_all_modes_match_ar(tmp_path):
+    save_tiny_hf("qwen3", tmp_path / "hf", seed=4)
+    convert(tmp_path / "hf", tmp_path / "ckpt", dtype="float32")
+    prompts = tmp_path / "p.jsonl.gz"
+    with gzip.open(prompts, "wt") as f:
+        f.write(json.dumps({"question": "w5 w6 w7"}) + "\n" + json.dumps({"turns": ["w9 w10", "w11"]}) + "\n")
+    rc = run.main(["--prompts", str(prompts), "--target", str(tmp_path / "ckpt"), "--block-size", "4",
+                   "--buckets", "1,4,8", "--fixed", "4,8", "--max-new-tokens", "12", "--name", "tiny",
+                   "--out-dir", str(tmp_path / "out"), "--dtype", "float32"])
+    assert rc == 0
+    data = json.loads((tmp_path / "out" / "tiny.json").read_text())
+    assert set(data["overall"]) == {"ar", "dflash", "fixed:4", "fixed:8", "bastion"}
+    assert data["meta"]["prompts"] == 2 and data["meta"]["device"]
+    assert all(r["identical_to_ar"] for r in data["rows"])
+    assert all(r["compilations_after_warmup"] == 0 for r in data["rows"])
+    assert data["overall"]["ar"]["ratio_to_ar"] == 1.0
+    table = (tmp_path / "out" / "tiny.md").read_text()
+    assert "| bastion |" in table and "NO" not in table
