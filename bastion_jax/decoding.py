@@ -15,22 +15,29 @@ from bastion_jax.modeling.cache import KVCache, causal_mask
 from bastion_jax.sampling import SamplingConfig, sample
 
 
+def prefill_target(target, cache: KVCache, tokens: jax.Array, lengths: jax.Array, key: jax.Array,
+                   sampling: SamplingConfig, tap_layers: tuple[int, ...]):
+    """Prompts right-padded to a bucket [b, t] -> (first token [b], cache, features [b, t, F]).
+
+    Writes K/V for all bucket slots (slots >= length hold padding that is masked out and later
+    overwritten) and samples the first new token from each row's last real position. Features
+    are zeros of width 1 when nothing is tapped (a proposal-only engine has no drafter).
+    """
+    b, t = tokens.shape
+    zero = jnp.zeros((b,), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out = target(tokens, positions, cache, zero, causal_mask(zero, t, cache.max_len),
+                 tap_layers=tap_layers, logits_index=(lengths - 1)[:, None])
+    features = out.taps if out.taps is not None else jnp.zeros((b, t, 1), jnp.float32)
+    return sample(out.logits[:, 0], key, sampling), out.cache, features
+
+
 @partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
 def prefill(state: nnx.State, cache: KVCache, tokens: jax.Array, lengths: jax.Array, key: jax.Array,
             *, graphdef: nnx.GraphDef, sampling: SamplingConfig):
-    """Prompts right-padded to a bucket: tokens [batch, bucket], lengths [batch].
-
-    Writes K/V for all bucket slots (slots >= length hold padding that is masked out and later
-    overwritten) and samples the first new token from each row's last real position.
-    Returns (first tokens [batch], cache).
-    """
-    model = nnx.merge(graphdef, state)
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    start = jnp.zeros((b,), jnp.int32)
-    out = model(tokens, positions, cache, start, causal_mask(start, t, cache.max_len),
-                logits_index=(lengths - 1)[:, None])
-    return sample(out.logits[:, 0], key, sampling), out.cache
+    """AR prefill: tokens [batch, bucket] right-padded, lengths [batch] -> (first tokens, cache)."""
+    first, cache, _ = prefill_target(nnx.merge(graphdef, state), cache, tokens, lengths, key, sampling, ())
+    return first, cache
 
 
 @partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from bastion_jax.decoding import prefill_target
 from bastion_jax.modeling.cache import KVCache, causal_mask
 from bastion_jax.sampling import SamplingConfig, sample
 
@@ -72,7 +73,8 @@ def draft_block(*args, **kwargs) -> tuple[jax.Array, KVCache]:
 _STATIC = ("target_def", "drafter_def", "sampling", "block_size", "mask_token_id", "tap_layers", "proposal")
 
 
-def _models(target_def, target_state, drafter_def, drafter_state):
+def merge_models(target_def, target_state, drafter_def, drafter_state):
+    """Merge the split target (and drafter, if any) inside a jitted function."""
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
     return target, drafter
@@ -84,17 +86,11 @@ def spec_prefill(target_state, drafter_state, target_cache: KVCache, drafter_cac
                  sampling: SamplingConfig, block_size: int, mask_token_id: int, tap_layers: tuple[int, ...],
                  proposal: Optional[Proposal]) -> SpecState:
     """Target prefill (tokens [b, bucket] right-padded, lengths [b]) + the drafter's first block."""
-    target, drafter = _models(target_def, target_state, drafter_def, drafter_state)
-    b, t = tokens.shape
-    zero = jnp.zeros((b,), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = target(tokens, positions, target_cache, zero, causal_mask(zero, t, target_cache.max_len),
-                 tap_layers=tap_layers, logits_index=(lengths - 1)[:, None])
-    root = sample(out.logits[:, 0], key, sampling)
-    features = out.taps if out.taps is not None else jnp.zeros((b, t, 1), jnp.float32)
-    drafts, drafter_cache = draft_block(target, drafter, drafter_cache, features, zero, lengths, root,
-                                        block_size=block_size, mask_token_id=mask_token_id, proposal=proposal)
-    return SpecState(out.cache, drafter_cache, root, drafts, lengths + 0)  # fresh buffer: donatable
+    target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
+    root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, sampling, tap_layers)
+    drafts, drafter_cache = draft_block(target, drafter, drafter_cache, features, jnp.zeros_like(lengths), lengths,
+                                        root, block_size=block_size, mask_token_id=mask_token_id, proposal=proposal)
+    return SpecState(target_cache, drafter_cache, root, drafts, lengths + 0)  # fresh buffer: donatable
 
 
 def accept_chain(drafts: jax.Array, choices: jax.Array) -> jax.Array:
@@ -108,7 +104,7 @@ def spec_step(target_state, drafter_state, state: SpecState, active: jax.Array, 
               target_def, drafter_def, sampling: SamplingConfig, block_size: int, mask_token_id: int,
               tap_layers: tuple[int, ...], proposal: Optional[Proposal]) -> tuple[SpecState, StepOutput]:
     """Verify the current block, accept, emit, inject features and draft the next block."""
-    target, drafter = _models(target_def, target_state, drafter_def, drafter_state)
+    target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
     cache = state.target_cache
     length = state.length
     tokens = jnp.concatenate([state.root[:, None], state.drafts], axis=1)  # [b, B]

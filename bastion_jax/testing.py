@@ -87,3 +87,30 @@ def tiny_drafter_config(target, num_layers: int = 1, block_size: int = 8, interm
         vocab_size=target.vocab_size, block_size=block_size, mask_token_id=target.vocab_size - 1,
         target_layer_ids=taps, num_target_layers=n, target_hidden_size=target.hidden_size,
         rms_norm_eps=target.rms_norm_eps, rope=target.rope)
+
+
+def greedy_continuation(target, prompt, n: int):
+    """prompt + n greedy tokens of `target` (an answer key for oracle drafters), as int32 numpy."""
+    import numpy as np
+
+    from bastion_jax.engine import Engine
+
+    ar = Engine(target, stop_ids=[-1]).generate([list(prompt)], max_new_tokens=n).tokens[0]
+    return np.array(list(prompt) + ar, np.int32)
+
+
+def next_token_probs(target, seq):
+    """The target's next-token distribution after `seq` (float64), by a plain forward."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from bastion_jax.modeling.cache import KVCache, causal_mask
+
+    model = nnx.merge(target.graphdef, target.state)
+    n = len(seq)
+    start = jnp.zeros(1, jnp.int32)
+    cache = KVCache.create(target.config, 1, n, target.dtype)
+    out = model(jnp.asarray([seq]), jnp.arange(n)[None], cache, start, causal_mask(start, n, n))
+    return np.asarray(jax.nn.softmax(out.logits[0, -1]), np.float64)

@@ -14,11 +14,12 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import struct
 
-from bastion_jax.modeling.cache import KVCache, causal_mask
+from bastion_jax.modeling.cache import KVCache
 from bastion_jax.sampling import SamplingConfig, sample
-from bastion_jax.speculative import Proposal, StepOutput, draft_logits
+from bastion_jax.decoding import prefill_target
+from bastion_jax.speculative import Proposal, StepOutput, draft_logits, merge_models
 from bastion_jax.tree import Tree, build_tree, slice_tree, surrogate_curve
 from bastion_jax.verify import compact_cache, tree_attention_mask, walk
 
@@ -33,11 +34,6 @@ class TreeState:
 
 _STATIC = ("target_def", "drafter_def", "sampling", "block_size", "mask_token_id", "tap_layers", "proposal",
            "buckets", "top_k")
-
-
-def _models(target_def, target_state, drafter_def, drafter_state):
-    target = nnx.merge(target_def, target_state)
-    return target, (nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None)
 
 
 def _next_tree(target, drafter, drafter_cache, features, ctx_start, ctx_len, root, *, block_size, mask_token_id,
@@ -56,19 +52,13 @@ def tree_prefill(target_state, drafter_state, target_cache: KVCache, drafter_cac
                  block_size: int, mask_token_id: int, tap_layers: tuple[int, ...], proposal: Optional[Proposal],
                  buckets: tuple[int, ...], top_k: int) -> tuple[TreeState, jax.Array]:
     """Target prefill + the first draft tree. Returns (state, surrogate curve [b, n_buckets])."""
-    target, drafter = _models(target_def, target_state, drafter_def, drafter_state)
-    b, t = tokens.shape
-    zero = jnp.zeros((b,), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = target(tokens, positions, target_cache, zero, causal_mask(zero, t, target_cache.max_len),
-                 tap_layers=tap_layers, logits_index=(lengths - 1)[:, None])
-    root = sample(out.logits[:, 0], key, sampling)
-    features = out.taps if out.taps is not None else jnp.zeros((b, t, 1), jnp.float32)
-    tree, curve, drafter_cache = _next_tree(target, drafter, drafter_cache, features, zero, lengths, root,
-                                            block_size=block_size, mask_token_id=mask_token_id,
+    target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
+    root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, sampling, tap_layers)
+    tree, curve, drafter_cache = _next_tree(target, drafter, drafter_cache, features, jnp.zeros_like(lengths),
+                                            lengths, root, block_size=block_size, mask_token_id=mask_token_id,
                                             proposal=proposal, buckets=buckets, top_k=top_k)
     # `lengths + 0`: a fresh buffer, so the first step can donate the state without a copy.
-    return TreeState(out.cache, drafter_cache, tree, lengths + 0), curve
+    return TreeState(target_cache, drafter_cache, tree, lengths + 0), curve
 
 
 @partial(jax.jit, static_argnames=_STATIC + ("bucket",), donate_argnames=("state",))
@@ -77,7 +67,7 @@ def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, 
               tap_layers: tuple[int, ...], proposal: Optional[Proposal], buckets: tuple[int, ...],
               top_k: int) -> tuple[TreeState, StepOutput, jax.Array]:
     """Verify the first `bucket` nodes of the tree, accept, compact, draft the next tree."""
-    target, drafter = _models(target_def, target_state, drafter_def, drafter_state)
+    target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
     tree = slice_tree(state.tree, bucket)
     length = state.length
     cache = state.target_cache

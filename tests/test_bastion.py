@@ -13,16 +13,11 @@ from bastion_jax.engine import Engine, GenerationError
 from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims
 from bastion_jax.modeling.cache import KVCache, causal_mask
 from bastion_jax.sampling import SamplingConfig
-from bastion_jax.testing import tiny_drafter_config
+from bastion_jax.testing import greedy_continuation, next_token_probs, tiny_drafter_config
 
 BLOCK = 5
 BUCKETS = (1, 4, 8, 16)
 PROMPT = [5, 9, 11, 40, 41]
-
-
-def greedy_table(target, prompt, n):
-    ar = Engine(target, stop_ids=[-1]).generate([prompt], max_new_tokens=n).tokens[0]
-    return np.array(list(prompt) + ar, np.int32)
 
 
 def table_proposal(table, vocab, mode):
@@ -63,7 +58,7 @@ def test_t0_identical_to_ar_for_every_policy_with_random_drafter(converted, arch
 def test_tree_acceptance_with_oracle_and_branch_correct_drafters(converted, kind, mode, expect_tau):
     _, target = converted("qwen3")
     n = 30
-    table = greedy_table(target, PROMPT, n + BLOCK)
+    table = greedy_continuation(target, PROMPT, n + BLOCK)
     # top_k=2 and 32 nodes hold the whole binary tree of depth 4 (2 + 4 + 8 + 16 = 30 drafts).
     engine = Engine(target, stop_ids=[-1], block_size=BLOCK, buckets=BUCKETS + (32,), top_k=2,
                     proposal=table_proposal(table, target.config.vocab_size, kind))
@@ -83,7 +78,7 @@ def test_compaction_equals_sequential_cache(converted):
     """After a tree step, the committed slots of the cache equal those of a plain causal pass."""
     _, target = converted("llama3")
     n = 12
-    table = greedy_table(target, PROMPT, n + BLOCK)
+    table = greedy_continuation(target, PROMPT, n + BLOCK)
     engine = Engine(target, stop_ids=[-1], block_size=BLOCK, buckets=(16,), top_k=4,
                     proposal=table_proposal(table, target.config.vocab_size, "branch"))
     prefill, steps = engine._tree_fns(1, 16, 64, SamplingConfig(), [16])
@@ -113,13 +108,9 @@ def test_sampling_through_trees_matches_target_distribution(tmp_path):
     save_tiny_hf("qwen3", tmp_path / "hf", vocab_size=6, seed=5)
     target = load_target(tmp_path / "hf", jnp.float32)
     prompt = [1, 4, 3]
-    model = nnx.merge(target.graphdef, target.state)
 
     def next_probs(seq):
-        start = jnp.zeros(1, jnp.int32)
-        out = model(jnp.asarray([seq]), jnp.arange(len(seq))[None], KVCache.create(target.config, 1, 16, jnp.float32),
-                    start, causal_mask(start, len(seq), 16))
-        return np.asarray(jax.nn.softmax(out.logits[0, -1]), np.float64)
+        return next_token_probs(target, seq)
 
     v = 6
     p1 = next_probs(prompt)

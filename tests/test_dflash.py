@@ -17,9 +17,9 @@ from safetensors.numpy import save_file
 from bastion_jax.checkpoint import CheckpointError, load_drafter, random_drafter
 from bastion_jax.config import TargetConfig
 from bastion_jax.engine import Engine
-from bastion_jax.modeling.cache import KVCache, causal_mask
+from bastion_jax.modeling.cache import KVCache
 from bastion_jax.sampling import SamplingConfig
-from bastion_jax.testing import tiny_drafter_config
+from bastion_jax.testing import greedy_continuation, next_token_probs, tiny_drafter_config
 from checkpoints_convert import convert
 from checkpoints_convert.dflash import export_zlab
 
@@ -104,12 +104,6 @@ BLOCK = 6
 PROMPTS = [[5, 9, 11, 40], [7, 3, 20, 21, 22, 23, 24, 25, 60]]
 
 
-def _greedy_table(target, prompt, n):
-    """prompt + n greedy tokens, the oracle's answer key."""
-    ar = Engine(target, stop_ids=[-1]).generate([prompt], max_new_tokens=n).tokens[0]
-    return np.array(list(prompt) + ar, np.int32)
-
-
 def _table_proposal(table: np.ndarray, vocab: int, correct_upto: int):
     """Drafts from the answer key for slots k <= correct_upto, a wrong token after that."""
     table = jnp.asarray(table)
@@ -148,7 +142,7 @@ def test_t0_identical_to_ar_with_oracle_and_partial_drafters(converted, correct_
     _, target = converted("qwen3")
     n = 30
     prompt = PROMPTS[0]
-    table = _greedy_table(target, prompt, n + BLOCK)
+    table = greedy_continuation(target, prompt, n + BLOCK)
     engine = Engine(target, stop_ids=[-1], block_size=BLOCK,
                     proposal=_table_proposal(table, target.config.vocab_size, correct_upto))
     res = engine.generate([prompt], max_new_tokens=n, mode="dflash")
@@ -158,7 +152,7 @@ def test_t0_identical_to_ar_with_oracle_and_partial_drafters(converted, correct_
 
 def test_t0_identical_to_ar_with_random_proposal_and_stop_token(converted):
     _, target = converted("llama3")
-    table = _greedy_table(target, PROMPTS[1], 40)
+    table = greedy_continuation(target, PROMPTS[1], 40)
     stop = int(table[len(PROMPTS[1]) + 12])  # a token the greedy output reaches
     ar = Engine(target, stop_ids=[stop]).generate(PROMPTS, max_new_tokens=40).tokens
     engine = Engine(target, stop_ids=[stop], block_size=BLOCK, proposal=_random_proposal(target.config.vocab_size))
@@ -185,14 +179,9 @@ def test_sampling_through_verification_matches_target_distribution(tmp_path):
     save_tiny_hf("qwen3", tmp_path / "hf", vocab_size=6, seed=5)
     target = load_target(tmp_path / "hf", jnp.float32)
     prompt = [1, 4, 3]
-    model = nnx.merge(target.graphdef, target.state)
 
     def next_probs(seq):
-        ids = jnp.asarray([seq])
-        start = jnp.zeros(1, jnp.int32)
-        cache = KVCache.create(target.config, 1, 16, jnp.float32)
-        out = model(ids, jnp.arange(len(seq))[None], cache, start, causal_mask(start, len(seq), 16))
-        return np.asarray(jax.nn.softmax(out.logits[0, -1]), np.float64)
+        return next_token_probs(target, seq)
 
     v = 6
     p1 = next_probs(prompt)
