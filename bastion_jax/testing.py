@@ -114,3 +114,24 @@ def next_token_probs(target, seq):
     cache = KVCache.create(target.config, 1, n, target.dtype)
     out = model(jnp.asarray([seq]), jnp.arange(n)[None], cache, start, causal_mask(start, n, n))
     return np.asarray(jax.nn.softmax(out.logits[0, -1]), np.float64)
+
+
+def two_token_law(target, prompt):
+    """Exact joint law [v, v] of the next two tokens after `prompt` under temperature-1 sampling."""
+    import numpy as np
+
+    v = target.config.vocab_size
+    p1 = next_token_probs(target, list(prompt))
+    return np.array([p1[a] * next_token_probs(target, list(prompt) + [a]) for a in range(v)])
+
+
+def pair_chi_square(generated, joint, min_expected: float = 5.0) -> float:
+    """Pearson chi-square of the first two generated tokens of each row against `joint`."""
+    import numpy as np
+
+    pairs = np.array([t[:2] for t in generated])
+    counts = np.zeros_like(joint)
+    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
+    expected = joint * len(pairs)
+    m = expected > min_expected
+    return float(((counts[m] - expected[m]) ** 2 / expected[m]).sum())

@@ -27,3 +27,16 @@ def converted(tmp_path_factory):
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def vocab6_target(tmp_path_factory):
+    """A tiny Qwen3 target over 6 tokens: exact laws are cheap to enumerate for sampling tests."""
+    import jax.numpy as jnp
+
+    from bastion_jax.checkpoint import load_target
+    from bastion_jax.testing import save_tiny_hf
+
+    root = tmp_path_factory.mktemp("vocab6")
+    save_tiny_hf("qwen3", root, vocab_size=6, seed=5)
+    return load_target(root, jnp.float32)

@@ -19,7 +19,7 @@ from bastion_jax.config import TargetConfig
 from bastion_jax.engine import Engine
 from bastion_jax.modeling.cache import KVCache
 from bastion_jax.sampling import SamplingConfig
-from bastion_jax.testing import greedy_continuation, next_token_probs, tiny_drafter_config
+from bastion_jax.testing import greedy_continuation, next_token_probs, pair_chi_square, tiny_drafter_config, two_token_law
 from checkpoints_convert import convert
 from checkpoints_convert.dflash import export_zlab
 
@@ -170,37 +170,18 @@ def test_no_recompilation_after_warmup_dflash(converted):
     assert engine.compilations == n == 2
 
 
-def test_sampling_through_verification_matches_target_distribution(tmp_path):
+def test_sampling_through_verification_matches_target_distribution(vocab6_target):
     """Joint law of the first two sampled tokens equals the target's, for drafts that are often
     accepted. A rule that accepted drafts by argmax (as public BASTION code does at T>0) fails."""
-    from bastion_jax.checkpoint import load_target
-    from bastion_jax.testing import save_tiny_hf
-
-    save_tiny_hf("qwen3", tmp_path / "hf", vocab_size=6, seed=5)
-    target = load_target(tmp_path / "hf", jnp.float32)
-    prompt = [1, 4, 3]
-
-    def next_probs(seq):
-        return next_token_probs(target, seq)
-
-    v = 6
-    p1 = next_probs(prompt)
-    joint = np.array([[p1[a] * next_probs(prompt + [a])[b] for b in range(v)] for a in range(v)])
+    target, prompt = vocab6_target, [1, 4, 3]
+    joint = two_token_law(target, prompt)
     # Propose, after every root, the target's most likely continuation token: accepted often.
-    argmax_next = np.array([np.argmax(next_probs(prompt + [a])) for a in range(v)])
-    table = jnp.asarray(argmax_next)
+    table = jnp.asarray(np.array([np.argmax(next_token_probs(target, prompt + [a])) for a in range(6)]))
 
     def propose(root, start, logits):
-        return jax.nn.one_hot(jnp.broadcast_to(table[root][:, None], logits.shape[:2]), v)
+        return jax.nn.one_hot(jnp.broadcast_to(table[root][:, None], logits.shape[:2]), 6)
 
-    n = 6000
     engine = Engine(target, stop_ids=[-1], block_size=3, proposal=propose)
-    res = engine.generate([prompt] * n, max_new_tokens=2, mode="dflash", sampling=SamplingConfig(1.0), seed=11)
-    pairs = np.array([t[:2] for t in res.tokens])
-    counts = np.zeros((v, v))
-    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
-    exp = joint * n
-    m = exp > 5
-    chi2 = ((counts[m] - exp[m]) ** 2 / exp[m]).sum()
+    res = engine.generate([prompt] * 6000, max_new_tokens=2, mode="dflash", sampling=SamplingConfig(1.0), seed=11)
     assert res.stats.tau > 1.2  # drafts were really accepted
-    assert chi2 < 80.0, chi2  # ~35 dof: p < 1e-4 for a correct sampler
+    assert pair_chi_square(res.tokens, joint) < 80.0  # ~35 dof: p < 1e-4 for a correct sampler
