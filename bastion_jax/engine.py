@@ -174,24 +174,23 @@ class Engine:
         rng = jax.random.PRNGKey(0)
         tokens = jax.ShapeDtypeStruct((batch, bucket), i32)
         tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
-        shape_key = (mode, sampling, batch, bucket, cache_len)
+        prefill_key = (mode, sampling, batch, bucket, cache_len)
+        step_key = (mode, sampling, batch, cache_len)  # a step does not depend on the prompt bucket
         if mode == "ar":
             static = dict(graphdef=self.target.graphdef, sampling=sampling)
-            prefill = self._executable(decoding.prefill, ("prefill",) + shape_key,
+            prefill = self._executable(decoding.prefill, ("prefill",) + prefill_key,
                                        (self.target.state, tcache, tokens, lengths, rng), static)
-            step = self._executable(decoding.decode, ("decode",) + shape_key[:3] + shape_key[4:],
+            step = self._executable(decoding.decode, ("decode",) + step_key,
                                     (self.target.state, tcache, jax.ShapeDtypeStruct((batch,), i32), lengths, rng),
                                     static)
             return prefill, step
         static = self._spec_static(sampling)
         dstate = self.drafter.state if self.drafter else None
         dcache = jax.eval_shape(lambda: self.new_drafter_cache(batch, cache_len))
-        prefill = self._executable(speculative.spec_prefill, ("spec_prefill",) + shape_key,
-                                   (self.target.state, dstate, tcache, dcache, tokens, lengths, rng), static)
-        state = jax.eval_shape(lambda: speculative.SpecState(
-            tcache, dcache, jnp.zeros((batch,), i32), jnp.zeros((batch, self.block_size - 1), i32),
-            jnp.zeros((batch,), i32)))
-        step = self._executable(speculative.spec_step, ("spec_step",) + shape_key[:3] + shape_key[4:],
+        args = (self.target.state, dstate, tcache, dcache, tokens, lengths, rng)
+        prefill = self._executable(speculative.spec_prefill, ("spec_prefill",) + prefill_key, args, static)
+        state = jax.eval_shape(lambda *a: speculative.spec_prefill(*a, **static), *args)
+        step = self._executable(speculative.spec_step, ("spec_step",) + step_key,
                                 (self.target.state, dstate, state, jax.ShapeDtypeStruct((batch,), bool), rng),
                                 static)
         return prefill, step
