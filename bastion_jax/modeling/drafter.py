@@ -38,21 +38,22 @@ class DrafterAttention(nnx.Module):
         k = apply_rope(self.k_norm(self.k_proj(x).reshape(b, t, hkv, d)), cos, sin)
         return k, self.v_proj(x).reshape(b, t, hkv, d)
 
-    def __call__(self, u, x_ctx, rope_blk, rope_ctx, k_buf, v_buf, ctx_start, ctx_visible):
-        """u: [b, B, h] normed block; x_ctx: [b, C, h] new context; *_buf: [b, S, kv_heads, d];
-        ctx_visible: [b, S] which cache slots are committed context after this write."""
+    def context_kv(self, x_ctx: jax.Array, rope_ctx: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """Keys/values injected from projected target features x_ctx [b, C, h]: [b, C, kv_heads, d] each."""
+        return self._kv(x_ctx, *rope_ctx)
+
+    def __call__(self, u: jax.Array, rope_blk: tuple[jax.Array, jax.Array], ctx_k: jax.Array, ctx_v: jax.Array,
+                 mask: jax.Array) -> jax.Array:
+        """u: [b, T, h] normed block tokens; ctx_k/ctx_v: [b, S, kv_heads, d] context K/V;
+        mask: [b, T, S + T] over [context | block] keys. Inference passes one block (T = B, the
+        block part all-visible); training passes many blocks at once with a block-diagonal part."""
         b, t, _ = u.shape
         hq, _, d = self.heads
-        q = apply_rope(self.q_norm(self.q_proj(u).reshape(b, t, hq, d)), *rope_blk)  # [b, B, q_heads, d]
-        k_ctx, v_ctx = self._kv(x_ctx, *rope_ctx)  # [b, C, kv_heads, d]
-        k_buf = write_rows(k_buf, k_ctx, ctx_start)
-        v_buf = write_rows(v_buf, v_ctx, ctx_start)
-        k_blk, v_blk = self._kv(u, *rope_blk)  # [b, B, kv_heads, d]
-        keys = jnp.concatenate([k_buf.astype(q.dtype), k_blk], axis=1)  # [b, S + B, kv_heads, d]
-        vals = jnp.concatenate([v_buf.astype(q.dtype), v_blk], axis=1)
-        mask = jnp.concatenate([jnp.broadcast_to(ctx_visible[:, None, :], (b, t, ctx_visible.shape[1])),
-                                jnp.ones((b, t, t), bool)], axis=-1)  # [b, B, S + B]
-        return self.o_proj(attend(q, keys, vals, mask)), k_buf, v_buf
+        q = apply_rope(self.q_norm(self.q_proj(u).reshape(b, t, hq, d)), *rope_blk)  # [b, T, q_heads, d]
+        k_blk, v_blk = self._kv(u, *rope_blk)  # [b, T, kv_heads, d]
+        keys = jnp.concatenate([ctx_k.astype(q.dtype), k_blk], axis=1)  # [b, S + T, kv_heads, d]
+        vals = jnp.concatenate([ctx_v.astype(q.dtype), v_blk], axis=1)
+        return self.o_proj(attend(q, keys, vals, mask))
 
 
 class DrafterLayer(nnx.Module):
@@ -62,12 +63,9 @@ class DrafterLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, h, x_ctx, rope_blk, rope_ctx, k_buf, v_buf, ctx_start, ctx_visible):
-        attn, k_buf, v_buf = self.self_attn(self.input_layernorm(h), x_ctx, rope_blk, rope_ctx, k_buf,
-                                            v_buf, ctx_start, ctx_visible)
-        h = h + attn
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, k_buf, v_buf
+    def __call__(self, h, rope_blk, ctx_k, ctx_v, mask):
+        h = h + self.self_attn(self.input_layernorm(h), rope_blk, ctx_k, ctx_v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Drafter(nnx.Module):
@@ -95,12 +93,44 @@ class Drafter(nnx.Module):
         dtype = block_emb.dtype
         rope_blk = rope_cos_sin(inv_freq, s[:, None] + jnp.arange(block)[None], dtype)
         rope_ctx = rope_cos_sin(inv_freq, ctx_start[:, None] + jnp.arange(c)[None], dtype)
-        x_ctx = self.hidden_norm(self.fc(ctx_features.astype(dtype)))  # [b, C, h]
+        x_ctx = self.project(ctx_features.astype(dtype))  # [b, C, h]
         ctx_visible = jnp.arange(cache.max_len)[None, :] < s[:, None]  # [b, S]
+        mask = jnp.concatenate([jnp.broadcast_to(ctx_visible[:, None, :], (b, block, cache.max_len)),
+                                jnp.ones((b, block, block), bool)], axis=-1)  # [b, B, S + B]
         h = block_emb
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            h, k_buf, v_buf = layer(h, x_ctx, rope_blk, rope_ctx, cache.k[i], cache.v[i], ctx_start, ctx_visible)
+            k_ctx, v_ctx = layer.self_attn.context_kv(x_ctx, rope_ctx)  # [b, C, kv_heads, d]
+            k_buf = write_rows(cache.k[i], k_ctx, ctx_start)
+            v_buf = write_rows(cache.v[i], v_ctx, ctx_start)
+            h = layer(h, rope_blk, k_buf, v_buf, mask)
             ks.append(k_buf)
             vs.append(v_buf)
         return self.norm(h), KVCache(k=tuple(ks), v=tuple(vs))
+
+    def project(self, features: jax.Array) -> jax.Array:
+        """Fused target features [..., n_taps * target_hidden] -> drafter context states [..., h]."""
+        return self.hidden_norm(self.fc(features))
+
+    def forward_blocks(self, block_emb: jax.Array, block_positions: jax.Array, ctx_features: jax.Array,
+                       mask: jax.Array) -> jax.Array:
+        """Many blocks over one whole sequence in one forward (training).
+
+        block_emb: [b, T, h] with T = n_blocks * B; block_positions: [b, T] RoPE positions;
+        ctx_features: [b, S, n_taps * h] features of every position of the sequence (context K/V
+        at positions 0..S-1); mask: [b, T, S + T] over [context | blocks]. Same layers and math
+        as `__call__`, which is the special case of one block and a cache holding the context.
+        Returns final-normed hidden states [b, T, h].
+        """
+        s_len = ctx_features.shape[1]
+        inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim)
+        dtype = block_emb.dtype
+        rope_blk = rope_cos_sin(inv_freq, block_positions, dtype)
+        ctx_pos = jnp.broadcast_to(jnp.arange(s_len)[None], ctx_features.shape[:2])
+        rope_ctx = rope_cos_sin(inv_freq, ctx_pos, dtype)
+        x_ctx = self.project(ctx_features.astype(dtype))  # [b, S, h]
+        h = block_emb
+        for layer in self.layers:
+            k_ctx, v_ctx = layer.self_attn.context_kv(x_ctx, rope_ctx)
+            h = layer(h, rope_blk, k_ctx, v_ctx, mask)
+        return self.norm(h)

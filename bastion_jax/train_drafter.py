@@ -1,0 +1,165 @@
+"""`python -m bastion_jax.train_drafter {data,train}`: build a DFlash drafter for a target.
+
+`data` regenerates responses with the target itself (greedy, chat template) for prompts from
+training splits and the local Python standard library; `train` runs the DFlash objective with
+AdamW, checkpoints with orbax (rerun the same command to resume) and exports the drafter in the
+z-lab format (`config.json` + `model.safetensors`) that `--drafter DIR` loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+DEFAULT_SOURCES = ("gsm8k_train.jsonl.gz", "code_alpaca_2k.jsonl.gz")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bastion_jax.train_drafter", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--target", help="target checkpoint (converted dir, HF dir or .gguf; default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    common.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="target compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    common.add_argument("--seed", type=int, default=0)
+    common.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    d = sub.add_parser("data", parents=[common], help="generate training sequences (prompt + target response)")
+    d.add_argument("--out", required=True, help="JSONL file to write (appended to: an interrupted run resumes)")
+    d.add_argument("--sources", nargs="*", help="JSONL(.gz) prompt files from training splits (default: "
+                   f"{', '.join(DEFAULT_SOURCES)} from ../shared/data beside the checkout)")
+    d.add_argument("--stdlib", type=int, default=300, help="also use up to N prompts built from Python "
+                   "standard-library sources and docs (default 300)")
+    d.add_argument("--num", type=int, default=2000, help="total prompts (default 2000)")
+    d.add_argument("--max-new-tokens", type=int, default=256)
+    d.add_argument("--max-prompt-tokens", type=int, default=256, help="keep at most the last N prompt tokens")
+    d.add_argument("--batch-size", type=int, default=32)
+
+    t = sub.add_parser("train", parents=[common], help="train (or resume) and export a drafter")
+    t.add_argument("--data", nargs="+", required=True, help="JSONL file(s) written by the data command")
+    t.add_argument("--out", required=True, help="work dir: checkpoints/, metrics.jsonl, drafter/ (the export)")
+    t.add_argument("--init", help="start from this drafter checkpoint instead of a random one")
+    t.add_argument("--layers", type=int, default=2, help="drafter layers (default 2)")
+    t.add_argument("--num-taps", type=int, help="target layers tapped for features (default: max(layers, 3))")
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--intermediate-size", type=int, help="drafter MLP width (default: the target's)")
+    t.add_argument("--mask-token-id", type=int, help="token whose embedding marks masked slots (default: vocab-1)")
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--anchors", type=int, default=64, help="blocks per sequence (default 64)")
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup-ratio", type=float, default=0.04)
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--max-grad-norm", type=float, default=1.0)
+    t.add_argument("--gamma", type=float, help="loss decay (default: 7 for B=16, 5 for 10, 4 for 8)")
+    t.add_argument("--held-out", type=int, default=64, help="sequences kept aside for validation (default 64)")
+    t.add_argument("--log-every", type=int, default=10)
+    t.add_argument("--save-every", type=int, default=200)
+    t.add_argument("--eval-every", type=int, default=0)
+    t.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    return p
+
+
+def drafter_config(target_cfg, args):
+    from bastion_jax.config import DrafterConfig, default_target_layer_ids
+
+    n_taps = args.num_taps or max(args.layers, 3)
+    n = target_cfg.num_hidden_layers
+    taps = default_target_layer_ids(n, n_taps) if n >= 4 else tuple(range(min(n_taps, n)))
+    return DrafterConfig(
+        hidden_size=target_cfg.hidden_size, intermediate_size=args.intermediate_size or target_cfg.intermediate_size,
+        num_hidden_layers=args.layers, num_attention_heads=target_cfg.num_attention_heads,
+        num_key_value_heads=target_cfg.num_key_value_heads, head_dim=target_cfg.head_dim,
+        vocab_size=target_cfg.vocab_size, block_size=args.block_size,
+        mask_token_id=target_cfg.vocab_size - 1 if args.mask_token_id is None else args.mask_token_id,
+        target_layer_ids=taps, num_target_layers=n, target_hidden_size=target_cfg.hidden_size,
+        rms_norm_eps=target_cfg.rms_norm_eps, rope=target_cfg.rope)
+
+
+def run_data(args, target, log) -> None:
+    from bastion_jax.engine import Engine
+    from bastion_jax.text import load_tokenizer
+    from bastion_jax.training.data import file_prompts, generate_responses, mix_prompts, stdlib_prompts
+
+    paths = [Path(s) for s in args.sources] if args.sources is not None else [DEFAULT_DATA_DIR / n
+                                                                              for n in DEFAULT_SOURCES]
+    sources = [(p.name.split(".")[0], file_prompts(p)) for p in paths]
+    if args.stdlib:
+        sources.append(("python_stdlib", stdlib_prompts(args.stdlib, args.seed)))
+    prompts = mix_prompts(sources, args.num, args.seed)
+    log(f"{len(prompts)} prompts from " + ", ".join(f"{n} ({len(p)})" for n, p in sources))
+    tokenizer = load_tokenizer(target)
+    engine = Engine(target, tokenizer)
+    n = generate_responses(engine, tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                           max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
+                           progress=not args.quiet)
+    log(f"wrote {n} sequences to {args.out}")
+
+
+def run_train(args, target, log) -> None:
+    from bastion_jax.checkpoint import load_drafter, random_drafter
+    from bastion_jax.training import TokenDataset, TrainConfig, Trainer
+    from checkpoints_convert.dflash import export_zlab
+
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, num_anchors=args.anchors,
+                      lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
+                      max_grad_norm=args.max_grad_norm, gamma=args.gamma, seed=args.seed, log_every=args.log_every,
+                      save_every=args.save_every, eval_every=args.eval_every)
+    data = TokenDataset.from_jsonl(args.data, cfg.seq_len, target.config.vocab_size)
+    train, val = data.split(args.held_out)
+    if args.init:
+        import jax.numpy as jnp
+
+        drafter = load_drafter(args.init, target.config, jnp.float32)
+    else:
+        dcfg = drafter_config(target.config, args)
+        dcfg.check_pair(target.config)
+        drafter = random_drafter(dcfg, seed=args.seed)
+    d = drafter.config
+    log(f"drafter: {d.num_hidden_layers} layers, taps {list(d.target_layer_ids)}, block {d.block_size}, "
+        f"{sum(x.size for x in __import__('jax').tree.leaves(drafter.state)) / 1e6:.1f}M params | "
+        f"data: {len(train)} train / {len(val)} val sequences of <= {cfg.seq_len} tokens")
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    trained = Trainer(target, drafter, cfg, out, log=log).fit(train, val if len(val) else None,
+                                                             progress=not args.quiet)
+    import jax.numpy as jnp
+
+    export = export_zlab(d, trained.state, out / "drafter", getattr(jnp, args.export_dtype))
+    (out / "drafter" / "training.json").write_text(json.dumps(
+        {"train_config": dataclasses.asdict(cfg), "data": [str(p) for p in args.data],
+         "target": str(target.path), "seconds": round(time.perf_counter() - t0, 1)}, indent=2))
+    log(f"exported {export} ({sum(f.stat().st_size for f in export.iterdir()) / 1e6:.1f} MB)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def log(msg: str) -> None:
+        if not args.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    from bastion_jax.checkpoint import CheckpointError, load_target
+    from bastion_jax.config import ConfigError
+    from bastion_jax.default_model import DefaultModelError, default_target_dir
+    from bastion_jax.generate import resolve_dtype
+    from bastion_jax.training.data import DataError
+
+    try:
+        target = load_target(args.target or default_target_dir(verbose=not args.quiet), resolve_dtype(args.dtype))
+        (run_data if args.command == "data" else run_train)(args, target, log)
+    except (CheckpointError, ConfigError, DataError, DefaultModelError, ValueError) as e:
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

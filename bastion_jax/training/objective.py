@@ -1,0 +1,105 @@
+"""The DFlash training objective (spec section C) as pure functions of one token batch.
+
+A training sequence x_0..x_{S-1} (prompt + the target's own response) yields many blocks at
+once: each random anchor p (response tokens only) becomes a block `[x_p, MASK x (B-1)]` at RoPE
+positions p..p+B-1 whose slot k is trained to predict x_{p+k}. Every block sees exactly what it
+would see at inference: the target features of positions strictly before its anchor (the root
+has no feature yet) and its own block, bidirectionally; never another block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash's loss decay per block size (spec C)
+
+
+def default_gamma(block_size: int) -> float:
+    """γ for a block size: the published values, else scaled linearly from γ = 7 at B = 16."""
+    return DEFAULT_GAMMA.get(block_size, 7.0 * block_size / 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    block_size: int
+    num_anchors: int  # blocks per sequence (fewer valid ones are padded and carry no loss)
+    gamma: float
+    mask_token_id: int
+
+
+class Blocks(NamedTuple):
+    """All blocks of a batch, flattened per row to T = n_anchors * block_size slots."""
+
+    ids: jax.Array  # [b, N, B] `[x_p, MASK...]`
+    positions: jax.Array  # [b, N, B] p + k
+    labels: jax.Array  # [b, N, B-1] x_{p+k} for k = 1..B-1
+    weights: jax.Array  # [b, N, B-1] exp(-(k-1)/γ) where the label is real, else 0
+    valid: jax.Array  # [b, N] whether the block has an anchor
+    mask: jax.Array  # [b, T, S + T] visibility over [context | blocks]
+
+
+def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
+    """Distinct random anchors per row, ascending: p in [0, S-2] with loss_mask[p] and [p+1].
+
+    loss_mask: [b, S] bool. Returns anchors [b, N] int32 (0 where invalid) and valid [b, N].
+    Rows with fewer than N candidates get invalid (padding) blocks.
+    """
+    b, s = loss_mask.shape
+    if not 1 <= num_anchors <= s - 1:
+        raise ValueError(f"num_anchors must be in [1, {s - 1}] for sequences of {s} tokens, got {num_anchors}")
+    candidate = loss_mask[:, :-1] & loss_mask[:, 1:]  # [b, S-1]
+    score = jnp.where(candidate, jax.random.uniform(key, candidate.shape), 2.0)
+    picked = jnp.argsort(score, axis=1)[:, :num_anchors]  # [b, N]: candidates first, random order
+    ok = jnp.take_along_axis(candidate, picked, axis=1)
+    ordered = jnp.sort(jnp.where(ok, picked, s + picked), axis=1)  # valid ascending, invalid last
+    valid = ordered < s
+    return jnp.where(valid, ordered, 0).astype(jnp.int32), valid
+
+
+def make_blocks(tokens: jax.Array, loss_mask: jax.Array, anchors: jax.Array, valid: jax.Array,
+                obj: Objective) -> Blocks:
+    """Block inputs, labels, loss weights and the block-sparse mask for anchors [b, N]."""
+    b, s = tokens.shape
+    n, block = anchors.shape[1], obj.block_size
+    k = jnp.arange(block)  # [B]
+    positions = anchors[:, :, None] + k  # [b, N, B]
+    roots = jnp.take_along_axis(tokens, anchors, axis=1)  # [b, N]
+    ids = jnp.where(k == 0, roots[:, :, None], obj.mask_token_id).astype(jnp.int32)
+    target_pos = positions[:, :, 1:]  # [b, N, B-1]
+    in_seq = target_pos < s
+    clipped = jnp.minimum(target_pos, s - 1).reshape(b, -1)
+    labels = jnp.take_along_axis(tokens, clipped, axis=1).reshape(b, n, block - 1)
+    real = in_seq & jnp.take_along_axis(loss_mask, clipped, axis=1).reshape(b, n, block - 1) & valid[:, :, None]
+    decay = jnp.exp(-jnp.arange(block - 1, dtype=jnp.float32) / obj.gamma)  # k-1 = 0..B-2
+    weights = jnp.where(real, decay, 0.0)
+    # Context: a block sees positions strictly before its anchor (invalid blocks see none).
+    ctx = jnp.arange(s)[None, None, :] < jnp.where(valid, anchors, 0)[:, :, None]  # [b, N, S]
+    ctx = jnp.broadcast_to(ctx[:, :, None, :], (b, n, block, s)).reshape(b, n * block, s)
+    same = jnp.repeat(jnp.repeat(jnp.eye(n, dtype=bool), block, axis=0), block, axis=1)  # [T, T]
+    mask = jnp.concatenate([ctx, jnp.broadcast_to(same, (b, n * block, n * block))], axis=-1)
+    return Blocks(ids, positions.astype(jnp.int32), labels, weights, valid, mask)
+
+
+class Metrics(NamedTuple):
+    loss: jax.Array  # weighted cross-entropy (the optimised quantity)
+    acc_first: jax.Array  # top-1 accuracy of the first drafted token
+    accept_len: jax.Array  # mean 1 + leading correct top-1 drafts per block: a teacher-forced chain τ
+    weight: jax.Array  # total loss weight (0 means the batch had no trainable block)
+
+
+def block_loss(logits: jax.Array, blocks: Blocks) -> Metrics:
+    """logits: [b, N, B-1, vocab] fp32 for slots 1..B-1."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, blocks.labels)  # [b, N, B-1]
+    total = jnp.sum(blocks.weights)
+    loss = jnp.sum(ce * blocks.weights) / jnp.maximum(total, 1e-6)
+    correct = (jnp.argmax(logits, axis=-1) == blocks.labels) & (blocks.weights > 0)  # [b, N, B-1]
+    first_real = blocks.weights[..., 0] > 0
+    acc_first = jnp.sum(correct[..., 0]) / jnp.maximum(jnp.sum(first_real), 1)
+    run = jnp.sum(jnp.cumprod(correct.astype(jnp.int32), axis=-1), axis=-1)  # [b, N]
+    accept_len = jnp.sum(jnp.where(first_real, 1 + run, 0)) / jnp.maximum(jnp.sum(first_real), 1)
+    return Metrics(loss, acc_first, accept_len, total)

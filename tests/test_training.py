@@ -1,0 +1,217 @@
+"""Drafter training: the objective against brute force and against inference, a toy run that learns."""
+
+import json
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bastion_jax.checkpoint import load_drafter, random_drafter
+from bastion_jax.engine import Engine
+from bastion_jax.modeling.cache import KVCache
+from bastion_jax.speculative import draft_logits
+from bastion_jax.testing import tiny_drafter_config
+from bastion_jax.training import (DataError, Objective, TokenDataset, TrainConfig, Trainer, blocks_forward,
+                                  check_not_benchmark, make_blocks, sample_anchors, target_features)
+from checkpoints_convert.dflash import export_zlab
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def pair(converted):
+    _, target = converted("qwen3")
+    return target, random_drafter(tiny_drafter_config(target.config, num_layers=2, block_size=BLOCK), seed=3)
+
+
+def random_masks(rng, b, s):
+    mask = np.zeros((b, s), bool)
+    for i in range(b):
+        lo = rng.integers(0, s - 2)
+        hi = rng.integers(lo + 1, s + 1)
+        mask[i, lo:hi] = True
+    return mask
+
+
+def test_anchors_are_distinct_sorted_candidates():
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        s, n = 24, int(rng.integers(1, 12))
+        mask = random_masks(rng, 3, s)
+        anchors, valid = map(np.asarray, sample_anchors(jax.random.key(trial), jnp.asarray(mask), n))
+        for row in range(3):
+            cands = {p for p in range(s - 1) if mask[row, p] and mask[row, p + 1]}
+            got = anchors[row][valid[row]]
+            assert len(got) == min(n, len(cands))
+            assert set(got) <= cands and len(set(got)) == len(got)
+            assert list(got) == sorted(got)
+            assert not valid[row][len(got):].any() and (anchors[row][~valid[row]] == 0).all()
+
+
+def test_anchor_choice_covers_every_candidate():
+    mask = jnp.asarray(np.array([[0, 1, 1, 1, 1, 1, 0, 1, 1, 0]], bool))
+    seen = {int(sample_anchors(jax.random.key(i), mask, 1)[0][0, 0]) for i in range(200)}
+    assert seen == {1, 2, 3, 4, 7}
+
+
+def test_blocks_match_brute_force():
+    rng = np.random.default_rng(1)
+    b, s, n, gamma = 2, 16, 5, 2.5
+    tokens = rng.integers(4, 90, (b, s)).astype(np.int32)
+    mask = random_masks(rng, b, s)
+    obj = Objective(block_size=BLOCK, num_anchors=n, gamma=gamma, mask_token_id=95)
+    anchors, valid = sample_anchors(jax.random.key(0), jnp.asarray(mask), n)
+    blocks = jax.tree.map(np.asarray, make_blocks(jnp.asarray(tokens), jnp.asarray(mask), anchors, valid, obj))
+    anchors, valid = np.asarray(anchors), np.asarray(valid)
+    for r in range(b):
+        for i in range(n):
+            p = anchors[r, i]
+            assert list(blocks.ids[r, i]) == [tokens[r, p]] + [95] * (BLOCK - 1)
+            assert list(blocks.positions[r, i]) == list(range(p, p + BLOCK))
+            for k in range(1, BLOCK):
+                real = valid[r, i] and p + k < s and mask[r, p + k]
+                want = np.exp(-(k - 1) / gamma) if real else 0.0
+                assert blocks.weights[r, i, k - 1] == pytest.approx(want)
+                if real:
+                    assert blocks.labels[r, i, k - 1] == tokens[r, p + k]
+            for q in range(BLOCK):
+                row = blocks.mask[r, i * BLOCK + q]
+                ctx = [j < p and valid[r, i] for j in range(s)]
+                own = [j // BLOCK == i for j in range(n * BLOCK)]
+                assert list(row) == ctx + own
+
+
+def test_training_blocks_equal_inference_drafts(pair):
+    """Each training block's logits equal a real drafting call with the context strictly before its anchor."""
+    target, drafter = pair
+    model, d = nnx.merge(target.graphdef, target.state), nnx.merge(drafter.graphdef, drafter.state)
+    rng = np.random.default_rng(2)
+    s = 20
+    tokens = jnp.asarray(rng.integers(4, 90, (2, s)).astype(np.int32))
+    mask = np.zeros((2, s), bool)
+    mask[0, 5:] = True
+    mask[1, 3:15] = True
+    obj = Objective(block_size=BLOCK, num_anchors=6, gamma=7.0, mask_token_id=drafter.config.mask_token_id)
+    run = jax.jit(partial(blocks_forward, obj=obj, cache_dtype=jnp.float32))
+    logits, blocks = run(model, d, tokens, jnp.asarray(mask), jax.random.key(4))
+    rows, slots = np.nonzero(np.asarray(blocks.valid))
+    assert len(rows) >= 8
+    anchors = np.asarray(blocks.positions)[rows, slots, 0]  # [A]
+    # One drafting call per anchor (batched): features of the whole row are offered as padding-
+    # extended context, of which only the first p positions are committed (ctx_len = p).
+    feats = target_features(model, tokens, drafter.config.target_layer_ids, jnp.float32)[rows]  # [A, S, F]
+    cache = KVCache.create(drafter.config, len(rows), s + BLOCK, jnp.float32)
+    want, _ = jax.jit(partial(draft_logits, block_size=BLOCK, mask_token_id=obj.mask_token_id, proposal=None))(
+        model, d, cache, feats, jnp.zeros(len(rows), jnp.int32), jnp.asarray(anchors, jnp.int32),
+        tokens[rows, anchors])
+    np.testing.assert_allclose(np.asarray(logits)[rows, slots], np.asarray(want), atol=2e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def toy_data(pair):
+    """Greedy continuations of the tiny target: what a drafter for it must learn to predict."""
+    target, _ = pair
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(4, 90, 4)) for _ in range(24)]
+    out = Engine(target, stop_ids=[-1]).generate(prompts, max_new_tokens=28).tokens
+    return [{"prompt_ids": [int(t) for t in p], "response_ids": o} for p, o in zip(prompts, out)]
+
+
+def test_toy_training_learns_resumes_and_exports(pair, toy_data, tmp_path):
+    target, drafter = pair
+    data = TokenDataset(toy_data, seq_len=32, vocab_size=target.config.vocab_size)
+    train, val = data.split(4)
+    cfg = TrainConfig(steps=60, batch_size=4, seq_len=32, num_anchors=8, lr=1e-2, log_every=10, save_every=30)
+    logs = []
+    Trainer(target, drafter, dataclasses_replace(cfg, steps=30), tmp_path, log=logs.append).fit(train, val,
+                                                                                                 progress=False)
+    trained = Trainer(target, drafter, cfg, tmp_path, log=logs.append).fit(train, val, progress=False)
+    assert any("resumed" in m and "step 30" in m for m in logs)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if r["split"] == "train"]
+    assert steps == list(range(10, 61, 10))  # resumed at 30, not restarted
+    train_rows = [r for r in rows if r["split"] == "train"]
+    # The tiny random target's LM head gives small logits, so the loss moves slowly from log(96)
+    # while top-1 accuracy climbs fast.
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 0.25
+    assert train_rows[-1]["acc_first"] > train_rows[0]["acc_first"] + 0.15
+    assert train_rows[-1]["accept_len"] > train_rows[0]["accept_len"] + 0.2
+
+    # Export -> z-lab format -> load -> decode: the trained drafter gets accepted, losslessly.
+    loaded = load_drafter(export_zlab(drafter.config, trained.state, tmp_path / "export", jnp.float32),
+                          target.config)
+    prompts = [r["prompt_ids"] for r in toy_data[:4]]
+    engine = Engine(target, drafter=loaded, stop_ids=[-1])
+    spec = engine.generate(prompts, max_new_tokens=20, mode="dflash")
+    assert spec.tokens == Engine(target, stop_ids=[-1]).generate(prompts, max_new_tokens=20).tokens
+    untrained = Engine(target, drafter=drafter, stop_ids=[-1]).generate(prompts, max_new_tokens=20, mode="dflash")
+    assert spec.stats.tau > untrained.stats.tau and spec.stats.tau > 1.3
+
+
+def dataclasses_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+@pytest.mark.parametrize("name", ["gsm8k_test.jsonl.gz", "humaneval.jsonl.gz", "mt_bench_questions.jsonl.gz",
+                                  "eagle_gsm8k_questions.jsonl.gz", "aime24_test.jsonl.gz"])
+def test_benchmark_sets_are_refused(name):
+    with pytest.raises(DataError, match="benchmark"):
+        check_not_benchmark(f"/somewhere/{name}")
+
+
+def test_training_splits_are_accepted():
+    check_not_benchmark("gsm8k_train.jsonl.gz")
+    check_not_benchmark("code_alpaca_2k.jsonl.gz")
+
+
+def test_bad_datasets():
+    with pytest.raises(DataError, match="empty"):
+        TokenDataset([], 16, 96)
+    with pytest.raises(DataError, match="vocabulary"):
+        TokenDataset([{"prompt_ids": [1, 2], "response_ids": [500, 3]}], 16, 96)
+    with pytest.raises(DataError, match="prompt_ids"):
+        TokenDataset([{"tokens": [1, 2]}], 16, 96)
+    with pytest.raises(DataError, match="no record has a response"):
+        TokenDataset([{"prompt_ids": list(range(4, 40)), "response_ids": [5, 6]}], 16, 96)
+    with pytest.raises(ValueError, match="num_anchors"):
+        TrainConfig(steps=1, seq_len=16, num_anchors=16)
+
+
+def test_cli_data_then_train(tmp_path):
+    """The two commands end to end on a tiny HF target: responses, training, z-lab export."""
+    from bastion_jax.checkpoint import load_target
+    from bastion_jax.testing import save_tiny_hf
+    from bastion_jax.train_drafter import main
+
+    save_tiny_hf("qwen3", tmp_path / "hf")
+    prompts = tmp_path / "my_train_split.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"w{i} w{i + 1} w{i + 2}"}) + "\n" for i in range(4, 20)))
+    common = ["--target", str(tmp_path / "hf"), "--quiet"]
+    assert main(["data", *common, "--out", str(tmp_path / "d.jsonl"), "--sources", str(prompts), "--stdlib", "0",
+                 "--num", "12", "--max-new-tokens", "12", "--batch-size", "6"]) == 0
+    lines = (tmp_path / "d.jsonl").read_text().splitlines()
+    assert len(lines) == 12 and all(1 <= len(json.loads(x)["response_ids"]) <= 12 for x in lines)
+    assert main(["train", *common, "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run"),
+                 "--layers", "1", "--block-size", "4", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
+                 "--anchors", "4", "--held-out", "2", "--export-dtype", "float32"]) == 0
+    target = load_target(tmp_path / "hf", jnp.float32)
+    drafter = load_drafter(tmp_path / "run" / "drafter", target.config)
+    assert drafter.config.block_size == 4 and drafter.config.num_hidden_layers == 1
+    assert json.loads((tmp_path / "run" / "drafter" / "training.json").read_text())["train_config"]["steps"] == 3
+
+
+def test_cli_refuses_benchmark_sources(tmp_path, capsys):
+    from bastion_jax.testing import save_tiny_hf
+    from bastion_jax.train_drafter import main
+
+    save_tiny_hf("qwen3", tmp_path / "hf")
+    bench = tmp_path / "gsm8k_test.jsonl"
+    bench.write_text(json.dumps({"question": "w4"}) + "\n")
+    assert main(["data", "--target", str(tmp_path / "hf"), "--out", str(tmp_path / "d.jsonl"), "--sources",
+                 str(bench), "--stdlib", "0", "--quiet"]) == 2
+    assert "held-out benchmark" in capsys.readouterr().err
