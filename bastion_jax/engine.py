@@ -215,6 +215,40 @@ class Engine:
                  for b in step_buckets}
         return prefill, steps
 
+    def _tree_part_fns(self, batch: int, cache_len: int, step_buckets: Sequence[int]):
+        """({bucket: tree_verify}, tree_draft) executables: the two halves of a tree step, compiled
+        (and counted) like the steps so the profiler can time them apart."""
+        i32 = jnp.int32
+        lengths = jax.ShapeDtypeStruct((batch,), i32)
+        static = dict(self._spec_static(SamplingConfig()), buckets=self.buckets, top_k=self.top_k)
+        dstate = self.drafter.state if self.drafter else None
+        tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
+        dcache = jax.eval_shape(lambda: self.new_drafter_cache(batch, cache_len))
+        args = (self.target.state, dstate, tcache, dcache, jax.ShapeDtypeStruct((batch, 16), i32), lengths,
+                jax.random.PRNGKey(0))
+        tree = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(*a, **static)[0], *args).tree
+        key = ("tree_parts", batch, cache_len, self.buckets, self.top_k)
+        verify = {b: self._executable(tree_decoding.tree_verify, key + ("verify", b),
+                                      (self.target.state, tcache, tree, lengths),
+                                      dict(bucket=b, target_def=self.target.graphdef, tap_layers=static["tap_layers"]))
+                  for b in step_buckets}
+        features = jax.ShapeDtypeStruct(self.feature_shape(batch), self.feature_dtype)
+        draft_static = {k: static[k] for k in ("target_def", "drafter_def", "block_size", "mask_token_id",
+                                               "proposal", "buckets", "top_k")}
+        draft = self._executable(tree_decoding.tree_draft, key + ("draft",),
+                                 (self.target.state, dstate, dcache, features, lengths, lengths, lengths), draft_static)
+        return verify, draft
+
+    def feature_shape(self, batch: int) -> tuple[int, int, int]:
+        """[batch, block_size, F]: the features a step injects into the drafter (F = taps x hidden)."""
+        d = self.drafter
+        width = len(d.config.target_layer_ids) * self.target.config.hidden_size if d else 1
+        return (batch, self.block_size, width)
+
+    @property
+    def feature_dtype(self) -> jnp.dtype:
+        return self.target.dtype if self.drafter else jnp.dtype(jnp.float32)
+
     def calibrate(self, cache_len: int, sampling: SamplingConfig = SamplingConfig(),
                   contexts: Sequence[int] | None = None, reps: int = 1) -> list[tuple[int, int, float]]:
         """Offline calibration: time every bucket's step at a few context lengths and fit the

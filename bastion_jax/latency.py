@@ -4,6 +4,11 @@ compiled bucket from measured step times (offline at warm-up, online by EMA), pe
 Verify cost follows BASTION's closed forms (spec D.6): FLOPs and bytes of an s-token forward at
 context c; the step time is max(compute, memory). The drafter's block forward is added the same
 way. Calibration maps the raw roofline of each bucket to measured seconds: t = alpha * raw + beta.
+
+Device peaks come from a datasheet table, or from two micro-benchmarks (`DevicePeaks.measure`: a large
+copy for bandwidth, a large matmul for FLOP/s) when the profiler ran: achievable peaks sit below the
+datasheet ones on GPUs and match no table on CPUs. The calibration is fitted against the roofline made
+with particular peaks, so the saved JSON carries them and loading it adopts them.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -27,9 +33,18 @@ DEVICE_PEAKS = {
 
 @dataclasses.dataclass(frozen=True)
 class DevicePeaks:
-    name: str
-    flops: float
-    bandwidth: float
+    name: str  # the datasheet key ("h100", "cpu", ...): part of the calibration key, even when measured
+    flops: float  # dense FLOP/s
+    bandwidth: float  # memory bytes/s (read + written)
+    source: str = "datasheet"  # or "measured"
+
+    @classmethod
+    def measure(cls, dtype=None, *, copy_bytes: int | None = None, matmul_n: int | None = None,
+                reps: int = 5) -> "DevicePeaks":
+        """Peaks this device actually reaches: `measure_copy_bandwidth` and `measure_matmul_rate`
+        (sizes default by backend: 1 GiB / n = 8192 bf16 on accelerators, 64 MiB / n = 1024 fp32 on CPU)."""
+        return cls(cls.detect().name, measure_matmul_rate(matmul_n, dtype, reps=reps),
+                   measure_copy_bandwidth(copy_bytes, reps=reps), "measured")
 
     @classmethod
     def detect(cls) -> "DevicePeaks":
@@ -43,6 +58,54 @@ class DevicePeaks:
         if jax.default_backend() == "cpu":
             return cls("cpu", *DEVICE_PEAKS["cpu"])
         return cls(key or "unknown", *DEVICE_PEAKS["h100"])
+
+
+def _best_seconds_per_call(fn, x, *args, reps: int, chain: int) -> float:
+    """Best of `reps` timings of `chain` dependent calls x = fn(x, *args), dispatched back to back
+    and synchronised once, so launch latency hides behind the previous call's device work."""
+    import jax
+
+    jax.block_until_ready(fn(x, *args))  # warm-up (the executable is already compiled)
+    best = math.inf
+    for _ in range(max(1, reps)):
+        y = x
+        t0 = time.perf_counter()
+        for _ in range(chain):
+            y = fn(y, *args)
+        jax.block_until_ready(y)
+        best = min(best, (time.perf_counter() - t0) / chain)
+    return best
+
+
+def measure_copy_bandwidth(nbytes: int | None = None, *, reps: int = 5, chain: int = 8) -> float:
+    """Bytes read + written per second by an elementwise pass over a large float32 array
+    (x + 1: one read and one write per element, which XLA cannot fold away)."""
+    import jax
+    import jax.numpy as jnp
+
+    if nbytes is None:
+        nbytes = (64 << 20) if jax.default_backend() == "cpu" else (1 << 30)
+    n = max(1024, nbytes // 4)
+    x = jnp.zeros((n,), jnp.float32)  # [n] on the default device
+    fn = jax.jit(lambda a: a + 1.0).lower(x).compile()
+    return 2 * n * 4 / _best_seconds_per_call(fn, x, reps=reps, chain=chain)
+
+
+def measure_matmul_rate(n: int | None = None, dtype=None, *, reps: int = 5, chain: int = 8) -> float:
+    """FLOP/s of an n x n matmul (2 n^3 FLOPs) in `dtype` (default bf16 on accelerators; fp32 on CPU,
+    where bf16 matmuls are emulated). The right factor is scaled by 1/sqrt(n) so a chain of products
+    keeps its magnitude (no inf or denormal slow paths)."""
+    import jax
+    import jax.numpy as jnp
+
+    cpu = jax.default_backend() == "cpu"
+    n = n or (1024 if cpu else 8192)
+    dtype = jnp.dtype(dtype or (jnp.float32 if cpu else jnp.bfloat16))
+    ka, kb = jax.random.split(jax.random.PRNGKey(0))
+    a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)  # [n, n]
+    b = (jax.random.normal(kb, (n, n), jnp.float32) / math.sqrt(n)).astype(dtype)
+    fn = jax.jit(lambda x, y: x @ y).lower(a, b).compile()
+    return 2 * n ** 3 / _best_seconds_per_call(fn, a, b, reps=reps, chain=chain)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +200,7 @@ class LatencyModel:
 
     def to_json(self, model_name: str, dtype: str) -> dict:
         return {"device": self.peaks.name, "model": model_name, "dtype": dtype, "buckets": list(self.buckets),
-                "key": self.key(model_name, dtype),
+                "key": self.key(model_name, dtype), "peaks": dataclasses.asdict(self.peaks),
                 "calibration": {str(b): {"alpha": self.alpha.get(b, 1.0), "beta": self.beta.get(b, 0.0),
                                          "ema": self.ema.get(b, 1.0)} for b in self.buckets}}
 
@@ -145,6 +208,12 @@ class LatencyModel:
         """Adopt a saved calibration if it was made for this device/model/dtype/bucket set."""
         if data.get("key") != self.key(model_name, dtype):
             return False
+        peaks = data.get("peaks")
+        if isinstance(peaks, dict) and peaks.get("name") == self.peaks.name:
+            # alpha/beta were fitted against the roofline made with these peaks (measured ones when
+            # the profiler wrote the file), so predictions need the same peaks.
+            self.peaks = DevicePeaks(peaks["name"], float(peaks["flops"]), float(peaks["bandwidth"]),
+                                     str(peaks.get("source", "datasheet")))
         for b, v in data.get("calibration", {}).items():
             self.alpha[int(b)], self.beta[int(b)], self.ema[int(b)] = v["alpha"], v["beta"], v["ema"]
         return True

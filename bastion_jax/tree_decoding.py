@@ -14,7 +14,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import nnx, struct
 
 from bastion_jax.modeling.cache import KVCache
 from bastion_jax.sampling import SamplingConfig, sample
@@ -93,3 +93,34 @@ def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, 
                                                  bonus, block_size=block_size, mask_token_id=mask_token_id,
                                                  proposal=proposal, buckets=buckets, top_k=top_k)
     return TreeState(target_cache, drafter_cache, next_tree, new_length), StepOutput(emitted, accepted + 1), curve
+
+
+# -- the two halves of a step, jitted on their own for the profiler ------------------------------
+
+@partial(jax.jit, static_argnames=("target_def", "tap_layers", "bucket"), donate_argnames=("target_cache",))
+def tree_verify(target_state, target_cache: KVCache, tree: Tree, length: jax.Array, *, bucket: int, target_def,
+                tap_layers: tuple[int, ...]) -> tuple[jax.Array, KVCache]:
+    """Verify only: the target forward of `tree_step` over the first `bucket` nodes at context `length`
+    (tree attention mask, taps) and the argmax at every node. Returns (choices [b, bucket], cache).
+
+    The profiler times this against the full step to split a step into verify / draft / rest.
+    """
+    target = nnx.merge(target_def, target_state)
+    tree = slice_tree(tree, bucket)
+    positions = length[:, None] + tree.depths  # [b, n]
+    mask = tree_attention_mask(length, tree.ancestors, target_cache.max_len)
+    out = target(jnp.maximum(tree.tokens, 0), positions, target_cache, length, mask, tap_layers=tap_layers)
+    return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
+
+
+@partial(jax.jit, static_argnames=("target_def", "drafter_def", "block_size", "mask_token_id", "proposal",
+                                   "buckets", "top_k"), donate_argnames=("drafter_cache",))
+def tree_draft(target_state, drafter_state, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array,
+               ctx_len: jax.Array, root: jax.Array, *, target_def, drafter_def, block_size: int, mask_token_id: int,
+               proposal: Optional[Proposal], buckets: tuple[int, ...],
+               top_k: int) -> tuple[Tree, jax.Array, KVCache]:
+    """Draft only: inject `features` [b, C, F], run the drafter's block after `root` and build the
+    next tree (the second half of `tree_step`). Returns (tree, curve [b, n_buckets], drafter cache)."""
+    target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
+    return _next_tree(target, drafter, drafter_cache, features, ctx_start, ctx_len, root, block_size=block_size,
+                      mask_token_id=mask_token_id, proposal=proposal, buckets=buckets, top_k=top_k)

@@ -1,0 +1,222 @@
+"""The profiler CLI (`python -m bastion_jax.profile`), measured device peaks, the named-architecture
+presets and the GPU perf script at a tiny CPU shape. Timing values are only checked for sanity
+(positive, finite): the structure, the calibration round trip and the error paths are what is tested."""
+
+import json
+import math
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from bastion_jax import presets, profile
+from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims, measure_copy_bandwidth, measure_matmul_rate
+
+# A CI-sized run: SmolLM2 shapes cut to one target layer, a one-layer drafter with block 4.
+TINY = ["--arch", "smollm2-135m", "--layers", "1", "--drafter-layers", "1", "--block-size", "4",
+        "--buckets", "1,4", "--contexts", "16,40", "--reps", "1", "--warmup", "1", "--top-k", "8",
+        "--copy-mib", "4", "--matmul-n", "128"]
+BUCKETS, CONTEXTS = (1, 4), (16, 40)
+
+
+def finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One profiler run shared by the tests below: (out dir, cache dir, stdout)."""
+    import contextlib
+    import io
+    import os
+
+    root = tmp_path_factory.mktemp("profile")
+    old = os.environ.get("BASTION_JAX_CACHE")
+    os.environ["BASTION_JAX_CACHE"] = str(root / "cache")
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            rc = profile.main(TINY + ["--out-dir", str(root / "out"), "--name", "tiny", "--install"])
+    finally:
+        if old is None:
+            os.environ.pop("BASTION_JAX_CACHE")
+        else:
+            os.environ["BASTION_JAX_CACHE"] = old
+    assert rc == 0
+    return root / "out", root / "cache", out.getvalue()
+
+
+def tiny_latency_model() -> LatencyModel:
+    """The latency model a fresh engine would build for the TINY configs (datasheet peaks)."""
+    tcfg, dcfg = presets.preset_configs("smollm2-135m", layers=1, drafter_layers=1, block_size=4)
+    return LatencyModel(ModelDims.of(tcfg, 4), DevicePeaks.detect(), BUCKETS, ModelDims.of(dcfg, 4), 4)
+
+
+def test_profile_writes_every_file(tiny_run):
+    out, _, stdout = tiny_run
+    for suffix in (".calibration.json", ".json", ".md", ".png"):
+        assert (out / f"tiny{suffix}").is_file(), suffix
+    png = (out / "tiny.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    import matplotlib.image
+
+    img = matplotlib.image.imread(out / "tiny.png")
+    assert img.shape[0] > 200 and img.shape[1] > 400
+    assert "controller calibration path:" in stdout and "installed" in stdout
+
+
+def test_profile_measurements_cover_every_cell(tiny_run):
+    out, _, _ = tiny_run
+    raw = json.loads((out / "tiny.json").read_text())
+    cells = {(p["bucket"], p["context"]) for p in raw["points"]}
+    assert cells == {(b, c) for b in BUCKETS for c in CONTEXTS}
+    for p in raw["points"]:
+        for k in ("step_s", "device_s", "verify_s", "draft_s", "loop_s", "roofline_s", "calibrated_s"):
+            assert finite_positive(p[k]), (k, p)
+        assert math.isfinite(p["host_s"])
+        assert p["host_s"] == pytest.approx(p["loop_s"] - p["device_s"])
+    assert set(raw["ar_step_s"]) == {str(c) for c in CONTEXTS}
+    assert all(finite_positive(t) for t in raw["ar_step_s"].values())
+    assert raw["compilations_during_timing"] == 0  # everything was compiled before timing
+    assert math.isfinite(raw["calibration_rmse_over_mean"])
+    meta = raw["meta"]
+    assert meta["peaks"]["source"] == "measured" and meta["date"] and meta["device"]
+    assert finite_positive(meta["peaks"]["bandwidth"]) and finite_positive(meta["peaks"]["flops"])
+
+
+def test_profile_markdown_has_a_row_per_cell(tiny_run):
+    out, _, _ = tiny_run
+    text = (out / "tiny.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("|") and line.count("|") == 12]
+    body = [r for r in rows if re.match(r"\| \d+ \| \d+ \|", r)]
+    assert sorted((int(r.split("|")[1]), int(r.split("|")[2])) for r in body) == sorted(
+        (b, c) for b in BUCKETS for c in CONTEXTS)
+    assert "Calibrated model error" in text and "Compilations during timing: 0" in text
+
+
+def test_calibration_json_loads_into_the_controllers_model(tiny_run):
+    out, cache, _ = tiny_run
+    data = json.loads((out / "tiny.calibration.json").read_text())
+    model_name = data["model"]
+    lat = tiny_latency_model()
+    assert lat.load(out / "tiny.calibration.json", model_name, "float32")
+    assert lat.peaks.source == "measured" and lat.peaks.bandwidth == data["peaks"]["bandwidth"]
+    for b in BUCKETS:
+        for c in (16, 40, 100):
+            assert finite_positive(lat.predict(b, c))
+    # The calibrated predictions reproduce the table's (same peaks, same fit).
+    raw = json.loads((out / "tiny.json").read_text())
+    for p in raw["points"]:
+        assert lat.predict(p["bucket"], p["context"]) == pytest.approx(p["calibrated_s"], rel=1e-9)
+    # --install put the same file where generate's calibration_path looks (keyed by the model).
+    installed = cache / "calibration" / f"{data['key']}.json"
+    assert json.loads(installed.read_text()) == data
+    assert not tiny_latency_model().load(out / "tiny.calibration.json", "another model", "float32")
+
+
+def test_measured_peaks_are_positive_and_keep_the_device_key():
+    assert finite_positive(measure_copy_bandwidth(1 << 20, reps=1, chain=2))
+    assert finite_positive(measure_matmul_rate(64, reps=1, chain=2))
+    assert finite_positive(measure_matmul_rate(64, jnp.bfloat16, reps=1, chain=2))
+    peaks = DevicePeaks.measure(copy_bytes=1 << 20, matmul_n=64, reps=1)
+    assert peaks.source == "measured" and peaks.name == DevicePeaks.detect().name
+    assert finite_positive(peaks.flops) and finite_positive(peaks.bandwidth)
+
+
+def test_saved_peaks_are_adopted_and_old_files_still_load(tmp_path):
+    dims = ModelDims(2, 64, 4, 2, 16, 128, 96, 4)
+    fitted = LatencyModel(dims, DevicePeaks("test", 3e9, 2e9, "measured"), (1, 8))
+    fitted.fit([(1, 16, 0.01), (1, 64, 0.012), (8, 16, 0.02), (8, 64, 0.025)])
+    fitted.save(tmp_path / "cal.json", "m", "float32")
+    fresh = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8))
+    assert fresh.load(tmp_path / "cal.json", "m", "float32")
+    assert fresh.peaks == fitted.peaks
+    assert fresh.predict(8, 40) == pytest.approx(fitted.predict(8, 40))
+    old = json.loads((tmp_path / "cal.json").read_text())
+    del old["peaks"]  # written before peaks were saved: alpha/beta load, peaks stay
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    older = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8))
+    assert older.load(tmp_path / "old.json", "m", "float32") and older.peaks.source == "datasheet"
+    assert older.alpha == fitted.alpha
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "exactly one of --arch"),
+    (["--arch", "gpt-5"], "unknown architecture 'gpt-5'"),
+    (["--arch", "smollm2-135m", "--target", "x"], "exactly one of --arch"),
+    (["--arch", "smollm2-135m", "--drafter", "d"], "--drafter goes with --target"),
+    (["--arch", "smollm2-135m", "--buckets", "1,x"], "bad --buckets"),
+    (["--arch", "smollm2-135m", "--buckets", "0,4"], "sizes must be >= 1"),
+    (["--arch", "smollm2-135m", "--contexts", "16,abc"], "bad --contexts"),
+    (["--arch", "smollm2-135m", "--contexts", "0"], "context lengths must be >= 1"),
+    (["--arch", "smollm2-135m", "--contexts", "8180"], "exceeds the model's 8192 positions"),
+    (["--arch", "smollm2-135m", "--contexts", "250", "--max-len", "256"], "does not fit --max-len 256"),
+    (["--arch", "smollm2-135m", "--max-len", "9000"], "--max-len 9000 exceeds"),
+    (["--arch", "smollm2-135m", "--layers", "31"], "--layers must be in [1, 30]"),
+    (["--arch", "smollm2-135m", "--block-size", "1"], "--block-size must be >= 2"),
+    (["--arch", "smollm2-135m", "--reps", "0"], "--reps must be >= 1"),
+    (["--target", "/nonexistent/model"], "checkpoint not found"),
+    (["--target", "/nonexistent/model", "--layers", "2"], "only apply to --arch"),
+])
+def test_bad_input_is_one_error_line(capsys, argv, message):
+    assert profile.main(argv + ["--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_presets_match_the_published_shapes():
+    t, d = presets.preset_configs("qwen3-8b")  # spec A.1 / D.6
+    assert (t.num_hidden_layers, t.hidden_size, t.intermediate_size, t.vocab_size) == (36, 4096, 12288, 151936)
+    assert (d.num_hidden_layers, d.block_size, d.mask_token_id, d.target_layer_ids) == (5, 16, 151669,
+                                                                                         (1, 9, 17, 25, 33))
+    t, d = presets.preset_configs("llama3.1-8b")  # spec A.7 / D.6
+    assert t.rope.rope_type == "llama3" and t.rope.factor == 8.0 and t.intermediate_size == 14336
+    assert d.target_layer_ids == (1, 8, 15, 22, 29) and d.block_size == 10
+    t, _ = presets.preset_configs("qwen3-4b")
+    assert (t.hidden_size, t.intermediate_size, t.tie_word_embeddings) == (2560, 9728, True)
+    t, d = presets.preset_configs("smollm2-135m")
+    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.head_dim,
+            t.intermediate_size, t.vocab_size, t.tie_word_embeddings) == (576, 30, 9, 3, 64, 1536, 49152, True)
+    for layers in (1, 2, 3, 7):
+        t, d = presets.preset_configs("smollm2-135m", layers=layers)
+        assert t.num_hidden_layers == layers and d.num_target_layers == layers
+        assert all(0 <= i < layers for i in d.target_layer_ids)
+
+
+def test_random_init_is_on_device_in_the_requested_dtype():
+    import jax
+
+    from bastion_jax.checkpoint import abstract_state
+
+    t, d = presets.preset_configs("smollm2-135m", layers=1, drafter_layers=1)
+    target, drafter = presets.random_models(t, d, jnp.bfloat16)
+    expected = abstract_state(t, jnp.bfloat16)
+    assert jax.tree.structure(target.state) == jax.tree.structure(expected)
+    assert {x.dtype for x in jax.tree.leaves(target.state)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(drafter.state)} == {jnp.dtype(jnp.bfloat16)}
+    w = target.state["layers"][0]["mlp"]["up_proj"]["weight"][...]
+    assert 0.01 < float(jnp.std(w.astype(jnp.float32))) < 0.04  # the model's own init (normal, std 0.02)
+
+
+def test_perf_8b_writes_its_ratios_at_a_tiny_shape(tmp_path):
+    from benchmarks import perf_8b
+
+    rc = perf_8b.main(TINY + ["--gen-tokens", "3", "--out-dir", str(tmp_path), "--name", "perf", "--quiet"])
+    assert rc == 0
+    data = json.loads((tmp_path / "perf.json").read_text())
+    r = data["ratios"]
+    assert set(r["ar_floor_ratio"]) == {str(c) for c in CONTEXTS}
+    assert all(finite_positive(v) for v in r["ar_floor_ratio"].values())
+    assert set(r["verify_over_ar"]) == {f"{b}@{c}" for b in BUCKETS for c in CONTEXTS}
+    assert all(finite_positive(v) for v in r["verify_over_ar"].values())
+    assert math.isfinite(r["calibration_rmse_over_mean"]) and r["calibration_rmse_over_mean"] >= 0
+    assert len(r["host_overhead_frac"]) == len(BUCKETS) * len(CONTEXTS)
+    assert r["weight_bytes"] > 0
+    crit = {c["name"]: c for c in data["criteria"]}
+    assert len(crit) == 6
+    assert crit["compilations after warm-up"]["value"] == 0 and crit["compilations after warm-up"]["pass"] is True
+    assert crit["verify(64) / AR step (max over contexts)"]["pass"] is None  # bucket 64 not measured here
+    assert data["meta"]["device"] and data["meta"]["date"] and data["meta"]["generate"]["new_tokens"] == 3
+    md = (tmp_path / "perf.md").read_text()
+    assert "| criterion | value | target | pass |" in md and "not measured" in md
+    assert (tmp_path / "perf.png").read_bytes()[:4] == b"\x89PNG"
