@@ -36,7 +36,9 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     depth, vocab = log_probs.shape
     m = num_nodes - 1  # non-root nodes
     k = min(top_k, vocab)
-    top_lp, top_tok = jax.lax.top_k(log_probs.astype(jnp.float32), k)  # [depth, k]
+    # The barrier keeps XLA:CPU from rewriting top-k + the gathers below into a full sort of the
+    # vocabulary (195 ms -> 3 ms per tree at SmolLM2's 49k vocab); GPU is unaffected.
+    top_lp, top_tok = jax.lax.optimization_barrier(jax.lax.top_k(log_probs.astype(jnp.float32), k))  # [depth, k]
     neg_inf = jnp.float32(-jnp.inf)
 
     def keep_best(scores: jax.Array) -> tuple[jax.Array, jax.Array]:
