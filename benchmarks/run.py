@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", nargs="+", required=True, help="JSONL(.gz) prompt files")
     p.add_argument("--max-prompts", type=int, default=5, help="prompts per file (default 5)")
     p.add_argument("--target", help="target checkpoint (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default="random", help="drafter dir, or 'random' (default)")
+    p.add_argument("--drafter", help="drafter dir, or 'random' (default: the shipped drafter with the default "
+                   "target, else random)")
+    p.add_argument("--modes", help="comma-separated policies to run (default: ar, dflash, the fixed sweep, bastion); "
+                   "ar always runs: it is the reference for identity and ratios")
     p.add_argument("--block-size", type=int, default=16, help="block size of a random drafter")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--buckets", default="1,4,8,16,32,64")
@@ -79,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     from bastion_jax.testing import tiny_drafter_config
     from bastion_jax.text import encode_prompt, load_tokenizer
 
+    if args.drafter is None:
+        from bastion_jax.default_model import default_drafter_dir
+
+        shipped = default_drafter_dir() if args.target is None else None
+        args.drafter = str(shipped) if shipped else "random"
     target_path = args.target or default_target_dir()
     target = load_target(target_path, resolve_dtype(args.dtype))
     tok = load_tokenizer(target)
@@ -89,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     buckets = parse_buckets(args.buckets)
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.top_k)
     modes = ["ar", "dflash"] + [f"fixed:{n}" for n in parse_buckets(args.fixed)] + ["bastion"]
+    if args.modes:
+        modes = ["ar"] + [m for m in args.modes.split(",") if m and m != "ar"]
 
     prompts = [(Path(f).name.split(".")[0], t) for f in args.prompts for t in read_prompts(f, args.max_prompts)]
     ids = [encode_prompt(tok, t) for _, t in prompts]
@@ -109,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"source": source, "prompt": text[:80], "mode": mode, "new_tokens": s.new_tokens,
                    "tau": s.tau, "tokens_per_s": s.tokens_per_s, "ratio_to_ar": s.tokens_per_s / ar_tps,
                    "identical_to_ar": res.tokens[0] == ar_tokens, "buckets": s.buckets,
-                   "compilations_after_warmup": s.compilations_after_warmup}
+                   "compilations_after_warmup": s.compilations_after_warmup, "steps": s.row_steps}
             rows.append(row)
             t = totals[mode]
             t["tokens"] += s.new_tokens
@@ -120,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
                 t["buckets"][b] = t["buckets"].get(b, 0) + n
             print(f"{source:>12} {mode:>9} tau {s.tau:5.2f} {s.tokens_per_s:8.1f} tok/s "
                   f"x{row['ratio_to_ar']:.2f} identical={row['identical_to_ar']}", file=sys.stderr)
+    by_source: dict[str, dict[str, float]] = {}
+    for src in dict.fromkeys(r["source"] for r in rows):
+        by_source[src] = {}
+        for m in modes:
+            mine = [r for r in rows if r["source"] == src and r["mode"] == m]
+            by_source[src][m] = sum(r["tau"] * r["steps"] for r in mine) / max(1, sum(r["steps"] for r in mine))
     ar_rate = totals["ar"]["tokens"] / totals["ar"]["seconds"]
     overall = {m: {"tau": t["committed"] / t["steps"] if t["steps"] else 0.0,
                    "tokens_per_s": t["tokens"] / t["seconds"],
@@ -130,9 +146,13 @@ def main(argv: list[str] | None = None) -> int:
             "drafter": args.drafter, "dtype": target.dtype.name, "max_new_tokens": args.max_new_tokens,
             "buckets": list(buckets), "prompt_files": [Path(f).name for f in args.prompts],
             "prompts": len(prompts)}
+    training = Path(args.drafter) / "training.json"
+    if training.is_file():  # how the drafter was trained travels with its numbers
+        meta["drafter_training"] = json.loads(training.read_text())
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "overall": overall, "rows": rows}, indent=2))
+    (out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "overall": overall, "tau_by_source": by_source,
+                                                                "rows": rows}, indent=2))
     lines = [f"# {args.name}", "", f"{meta['device']}, {meta['date']}, {meta['dtype']}, drafter {args.drafter}, "
              f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, T=0", "",
              "| mode | tau | tokens/s | ratio to AR | identical to AR | buckets |", "|---|---|---|---|---|---|"]
@@ -140,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         hist = " ".join(f"{b}:{n}" for b, n in sorted(o["buckets"].items()))
         lines.append(f"| {m} | {o['tau']:.2f} | {o['tokens_per_s']:.1f} | {o['ratio_to_ar']:.2f} | "
                      f"{'yes' if o['all_identical_to_ar'] else 'NO'} | {hist} |")
+    lines += ["", "tau by prompt set:", "", "| set | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    for src, taus in by_source.items():
+        lines.append(f"| {src} | " + " | ".join(f"{taus[m]:.2f}" for m in modes) + " |")
     (out_dir / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -26,3 +26,5 @@ def test_harness_writes_results_and_all_modes_match_ar(tmp_path):
     assert data["overall"]["ar"]["ratio_to_ar"] == 1.0
     table = (tmp_path / "out" / "tiny.md").read_text()
     assert "| bastion |" in table and "NO" not in table
+    assert set(data["tau_by_source"]) == {"p"} and set(data["tau_by_source"]["p"]) == set(data["overall"])
+    assert data["tau_by_source"]["p"]["ar"] == 1.0 and "tau by prompt set" in table
