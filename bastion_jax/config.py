@@ -268,6 +268,25 @@ class DrafterConfig:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"malformed drafter config.json field: {e}") from None
 
+    @classmethod
+    def for_target(cls, target: TargetConfig, *, num_layers: int, block_size: int, num_taps: int | None = None,
+                   intermediate_size: int | None = None, mask_token_id: int | None = None) -> "DrafterConfig":
+        """A new drafter shaped to read `target` (its width, heads, vocab, RoPE), for training or profiling.
+
+        Taps follow DFlash's rule with `num_taps` (default: one per drafter layer); targets under 4
+        layers (truncated test models) tap their first layers. The mask token defaults to the last id.
+        """
+        n = target.num_hidden_layers
+        k = num_taps or num_layers
+        taps = default_target_layer_ids(n, k) if n >= 4 else tuple(range(min(k, n)))
+        return cls(
+            hidden_size=target.hidden_size, intermediate_size=intermediate_size or target.intermediate_size,
+            num_hidden_layers=num_layers, num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim, vocab_size=target.vocab_size,
+            block_size=block_size, mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            target_layer_ids=taps, num_target_layers=n, target_hidden_size=target.hidden_size,
+            rms_norm_eps=target.rms_norm_eps, rope=target.rope)
+
     def to_hf(self) -> dict[str, Any]:
         """z-lab format config.json."""
         return {

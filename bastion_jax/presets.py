@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bastion_jax.config import DrafterConfig, RopeConfig, TargetConfig, default_target_layer_ids
+from bastion_jax.config import DrafterConfig, RopeConfig, TargetConfig
 
 
 class PresetError(ValueError):
@@ -64,11 +64,6 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def _taps(n_layers: int, n_taps: int) -> tuple[int, ...]:
-    """DFlash's default rule; for targets under 4 layers (truncated for CI), the first layers."""
-    return default_target_layer_ids(n_layers, n_taps) if n_layers >= 4 else tuple(range(min(n_taps, n_layers)))
-
-
 def preset_configs(name: str, layers: int | None = None, drafter_layers: int | None = None,
                    block_size: int | None = None) -> tuple[TargetConfig, DrafterConfig]:
     """(target, drafter) configs of a named architecture; `layers` truncates the target (the
@@ -87,14 +82,8 @@ def preset_configs(name: str, layers: int | None = None, drafter_layers: int | N
     block = p.block_size if block_size is None else block_size
     if block < 2:
         raise PresetError(f"--block-size must be >= 2, got {block}")
-    n = target.num_hidden_layers
-    drafter = DrafterConfig(
-        hidden_size=target.hidden_size, intermediate_size=p.drafter_ffn or target.intermediate_size,
-        num_hidden_layers=n_drafter, num_attention_heads=target.num_attention_heads,
-        num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim, vocab_size=target.vocab_size,
-        block_size=block, mask_token_id=p.mask_token_id, target_layer_ids=_taps(n, p.num_taps or n_drafter),
-        num_target_layers=n, target_hidden_size=target.hidden_size, rms_norm_eps=target.rms_norm_eps,
-        rope=target.rope)
+    drafter = DrafterConfig.for_target(target, num_layers=n_drafter, block_size=block, num_taps=p.num_taps,
+                                       intermediate_size=p.drafter_ffn, mask_token_id=p.mask_token_id)
     drafter.check_pair(target)
     return target, drafter
 

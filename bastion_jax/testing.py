@@ -76,17 +76,10 @@ def save_tiny_hf(arch: str, directory: str | Path, seed: int = 0, **overrides: A
 def tiny_drafter_config(target, num_layers: int = 1, block_size: int = 8, intermediate_size: int | None = None,
                         num_taps: int = 2):
     """A small DFlash drafter config that fits `target` (a TargetConfig): same hidden size and vocab."""
-    from bastion_jax.config import DrafterConfig, default_target_layer_ids
+    from bastion_jax.config import DrafterConfig
 
-    n = target.num_hidden_layers
-    taps = default_target_layer_ids(n, num_taps) if n >= 4 else tuple(range(min(num_taps, n)))
-    return DrafterConfig(
-        hidden_size=target.hidden_size, intermediate_size=intermediate_size or 2 * target.hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=target.num_attention_heads,
-        num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
-        vocab_size=target.vocab_size, block_size=block_size, mask_token_id=target.vocab_size - 1,
-        target_layer_ids=taps, num_target_layers=n, target_hidden_size=target.hidden_size,
-        rms_norm_eps=target.rms_norm_eps, rope=target.rope)
+    return DrafterConfig.for_target(target, num_layers=num_layers, block_size=block_size, num_taps=num_taps,
+                                    intermediate_size=intermediate_size or 2 * target.hidden_size)
 
 
 def greedy_continuation(target, prompt, n: int):

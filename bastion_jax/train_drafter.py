@@ -68,19 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def drafter_config(target_cfg, args):
-    from bastion_jax.config import DrafterConfig, default_target_layer_ids
+    from bastion_jax.config import DrafterConfig
 
-    n_taps = args.num_taps or max(args.layers, 3)
-    n = target_cfg.num_hidden_layers
-    taps = default_target_layer_ids(n, n_taps) if n >= 4 else tuple(range(min(n_taps, n)))
-    return DrafterConfig(
-        hidden_size=target_cfg.hidden_size, intermediate_size=args.intermediate_size or target_cfg.intermediate_size,
-        num_hidden_layers=args.layers, num_attention_heads=target_cfg.num_attention_heads,
-        num_key_value_heads=target_cfg.num_key_value_heads, head_dim=target_cfg.head_dim,
-        vocab_size=target_cfg.vocab_size, block_size=args.block_size,
-        mask_token_id=target_cfg.vocab_size - 1 if args.mask_token_id is None else args.mask_token_id,
-        target_layer_ids=taps, num_target_layers=n, target_hidden_size=target_cfg.hidden_size,
-        rms_norm_eps=target_cfg.rms_norm_eps, rope=target_cfg.rope)
+    return DrafterConfig.for_target(target_cfg, num_layers=args.layers, block_size=args.block_size,
+                                    num_taps=args.num_taps or max(args.layers, 3),
+                                    intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id)
 
 
 def run_data(args, target, log) -> None:
