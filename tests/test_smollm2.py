@@ -44,14 +44,25 @@ def test_logits_match_transformers_on_same_gguf(gguf_path):
     assert (got.argmax(-1) == ref.argmax(-1)).all()
 
 
-def test_cli_default_answers_france(capsys, tmp_path, monkeypatch):
+def test_cli_default_is_bastion_with_the_shipped_drafter(capsys, tmp_path, monkeypatch):
+    """The default run: SmolLM2 + the drafter shipped in the package, BASTION; its drafts get accepted."""
+    import re
+
+    from bastion_jax.default_model import default_drafter_dir
+
+    assert default_drafter_dir() is not None, "the trained SmolLM2 drafter must ship inside the package"
     monkeypatch.setenv("BASTION_JAX_CACHE", str(tmp_path))
-    rc = generate.main(["What is the capital of France?", "--max-new-tokens", "24"])
+    rc = generate.main(["What is the capital of France?", "--max-new-tokens", "24", "--no-calibrate"])
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "Paris" in out.out
     assert "tok/s" in out.err and "tok/s" not in out.out  # summary on stderr only
-    # The conversion is cached: a second run reuses it.
-    rc = generate.main(["What is the capital of France?", "--max-new-tokens", "4", "--quiet"])
+    assert "drafter:" in out.err and "[bastion]" in out.err
+    # A 16-node tree from the shipped drafter: drafts accepted (tau > 1), text identical to AR.
+    # (On CPU the controller rightly prefers tiny trees; this pins the drafter's quality instead.)
+    rc = generate.main(["Explain in two sentences why the sky is blue.", "--max-new-tokens", "40",
+                        "--mode", "fixed:16", "--compare-ar"])
     out2 = capsys.readouterr()
-    assert rc == 0 and "converting" not in out2.err and out2.err == ""
+    assert rc == 0 and "converting" not in out2.err  # the conversion is cached
+    assert float(re.search(r"\[fixed:16\].*tau ([0-9.]+)", out2.err).group(1)) > 1.2, out2.err
+    assert "text identical to AR: yes" in out2.err
