@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from bastion_jax.cli import fail, stderr_log
+
 DEFAULT_PROMPT_HELP = "With no --target, the embedded SmolLM2-135M-Instruct is used."
 
 
@@ -94,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
               '"What is the capital of France?"', file=sys.stderr)
         return 2
 
-    def log(msg: str) -> None:
-        if not args.quiet:
-            print(msg, file=sys.stderr, flush=True)
+    log = stderr_log(args.quiet)
 
     from bastion_jax.checkpoint import CheckpointError, load_drafter, load_target, random_drafter
     from bastion_jax.default_model import DefaultModelError, default_target_dir
@@ -178,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"[compare] {stats.mode} vs ar: speedup {speedup:.2f}x (tokens/s ratio, same run) | "
                 f"text identical to AR: {'yes' if same else 'no'}")
     except (CheckpointError, DefaultModelError, GenerationError, ValueError) as e:
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
+        return fail(e)
     return 0
 
 

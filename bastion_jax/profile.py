@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from bastion_jax.cli import fail, stderr_log
 from bastion_jax.controller import DEFAULT_BUCKETS, PolicyError, parse_buckets
 
 DEFAULT_CONTEXTS = (128, 512, 2048)
@@ -478,9 +479,7 @@ def device_meta(engine, label: str, model_name: str, reps: int, warmup: int) -> 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
-    def log(msg: str) -> None:
-        if not args.quiet:
-            print(msg, file=sys.stderr, flush=True)
+    log = stderr_log(args.quiet)
 
     from bastion_jax.checkpoint import CheckpointError
     from bastion_jax.config import ConfigError
@@ -502,8 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.install:
             engine.latency.save(installed, s.model_name, dtype)
     except (ProfileError, CheckpointError, ConfigError, GenerationError, PolicyError, ValueError) as e:
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
+        return fail(e)
     if not args.quiet:
         print(markdown(f"{s.label} ({dtype})", meta, prof), end="")
         for kind, path in paths.items():

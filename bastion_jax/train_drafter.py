@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from bastion_jax.cli import fail, stderr_log
+
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEFAULT_SOURCES = ("gsm8k_train.jsonl.gz", "code_alpaca_2k.jsonl.gz")
 
@@ -134,9 +136,7 @@ def run_train(args, target, log) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
-    def log(msg: str) -> None:
-        if not args.quiet:
-            print(msg, file=sys.stderr, flush=True)
+    log = stderr_log(args.quiet)
 
     from bastion_jax.checkpoint import CheckpointError, load_target
     from bastion_jax.config import ConfigError
@@ -148,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         target = load_target(args.target or default_target_dir(verbose=not args.quiet), resolve_dtype(args.dtype))
         (run_data if args.command == "data" else run_train)(args, target, log)
     except (CheckpointError, ConfigError, DataError, DefaultModelError, ValueError) as e:
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
+        return fail(e)
     return 0
 
 

@@ -28,6 +28,8 @@ import json
 import sys
 from pathlib import Path
 
+from bastion_jax.cli import fail, stderr_log
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 AR_FLOOR_MIN = 0.85
@@ -158,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.arch is None and args.target is None:
         args.arch = "qwen3-8b"
 
-    def log(msg: str) -> None:
-        if not args.quiet:
-            print(msg, file=sys.stderr, flush=True)
+    log = stderr_log(args.quiet)
 
     import jax
 
@@ -184,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         # The real decode loop, with everything already compiled: its own compile counters must stay 0.
         res = engine.generate([[1] * 16], max_new_tokens=args.gen_tokens, mode="bastion", max_len=s.cache_len)
     except (ProfileError, CheckpointError, ConfigError, GenerationError, ValueError) as e:
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
+        return fail(e)
     st = res.stats
     r["compilations_in_generate_loop"] = st.compilations + st.compilations_after_warmup
     name = args.name or f"perf-{s.label}-{meta['device'].lower().replace(' ', '-')}"
