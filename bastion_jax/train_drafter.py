@@ -98,6 +98,9 @@ def run_data(args, target, log) -> None:
 
 
 def run_train(args, target, log) -> None:
+    import jax
+    import jax.numpy as jnp
+
     from bastion_jax.checkpoint import load_drafter, random_drafter
     from bastion_jax.training import TokenDataset, TrainConfig, Trainer
     from checkpoints_convert.dflash import export_zlab
@@ -109,8 +112,6 @@ def run_train(args, target, log) -> None:
     data = TokenDataset.from_jsonl(args.data, cfg.seq_len, target.config.vocab_size)
     train, val = data.split(args.held_out)
     if args.init:
-        import jax.numpy as jnp
-
         drafter = load_drafter(args.init, target.config, jnp.float32)
     else:
         dcfg = drafter_config(target.config, args)
@@ -118,14 +119,12 @@ def run_train(args, target, log) -> None:
         drafter = random_drafter(dcfg, seed=args.seed)
     d = drafter.config
     log(f"drafter: {d.num_hidden_layers} layers, taps {list(d.target_layer_ids)}, block {d.block_size}, "
-        f"{sum(x.size for x in __import__('jax').tree.leaves(drafter.state)) / 1e6:.1f}M params | "
+        f"{sum(x.size for x in jax.tree.leaves(drafter.state)) / 1e6:.1f}M params | "
         f"data: {len(train)} train / {len(val)} val sequences of <= {cfg.seq_len} tokens")
     out = Path(args.out)
     t0 = time.perf_counter()
     trained = Trainer(target, drafter, cfg, out, log=log).fit(train, val if len(val) else None,
                                                              progress=not args.quiet)
-    import jax.numpy as jnp
-
     export = export_zlab(d, trained.state, out / "drafter", getattr(jnp, args.export_dtype))
     (out / "drafter" / "training.json").write_text(json.dumps(
         {"train_config": dataclasses.asdict(cfg), "data": [str(p) for p in args.data],

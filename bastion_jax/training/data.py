@@ -202,7 +202,7 @@ class TokenDataset:
             epoch, offset = divmod(step * batch_size, n)
             order = np.random.default_rng((seed, epoch)).permutation(n)
             idx = np.concatenate([order, np.random.default_rng((seed, epoch + 1)).permutation(n)])
-            pick = idx[offset % n: offset % n + batch_size]
+            pick = idx[offset:offset + batch_size]
             if len(pick) < batch_size:  # tiny data sets: wrap around
                 pick = np.resize(pick, batch_size)
             yield self.tokens[pick], self.loss_mask[pick]
