@@ -84,10 +84,13 @@ class Transformer(nnx.Module):
                         Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """LM head on final-normed hidden states; fp32 so sampling and argmax are not bf16-tied."""
-        if self.lm_head is None:
-            return self.embed_tokens.attend(hidden).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+        """LM head on final-normed hidden states, accumulated and returned in float32.
+
+        A bf16 product rounded to bf16 ties near-equal logits (argmax then depends on the batch shape
+        that produced them, which breaks greedy identity between AR and verification), so the
+        matmul itself accumulates into float32 (`preferred_element_type`), not just its result."""
+        w = (self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)[...]  # [vocab, hidden]
+        return jnp.einsum("...h,vh->...v", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: jax.Array,
                  mask: jax.Array, *, tap_layers: Sequence[int] = (),
