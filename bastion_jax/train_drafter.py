@@ -42,6 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=256)
     d.add_argument("--max-prompt-tokens", type=int, default=256, help="keep at most the last N prompt tokens")
     d.add_argument("--batch-size", type=int, default=32)
+    d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses (default); > 0 samples "
+                   "them (e.g. 0.7 for varied text the target still finds likely)")
+    d.add_argument("--magpie", type=int, default=0, help="also use up to N prompts the target writes itself "
+                   "(Magpie: the chat template's user prefix, sampled), kept in OUT.magpie.jsonl (default 0)")
+    d.add_argument("--magpie-temperature", type=float, default=1.0)
+    d.add_argument("--magpie-max-tokens", type=int, default=96, help="longest self-written prompt (default 96)")
+
+    k = sub.add_parser("pack", help="store data JSONL files compactly (uint16 ids, compressed .npz) to commit")
+    k.add_argument("--data", nargs="+", required=True, help="JSONL / .npz files written by data or pack")
+    k.add_argument("--out", required=True, help=".npz file to write")
+    k.add_argument("--vocab-size", type=int, default=None, help="target vocabulary (default: read from --target)")
+    k.add_argument("--quiet", action="store_true")
 
     t = sub.add_parser("train", parents=[common], help="train (or resume) and export a drafter")
     t.add_argument("--data", nargs="+", required=True, help="JSONL file(s) written by the data command")
@@ -80,20 +92,26 @@ def drafter_config(target_cfg, args):
 def run_data(args, target, log) -> None:
     from bastion_jax.engine import Engine
     from bastion_jax.text import load_tokenizer
-    from bastion_jax.training.data import file_prompts, generate_responses, mix_prompts, stdlib_prompts
+    from bastion_jax.training.data import (file_prompts, generate_responses, magpie_prompts, mix_prompts,
+                                           stdlib_prompts)
 
     paths = [Path(s) for s in args.sources] if args.sources is not None else [DEFAULT_DATA_DIR / n
                                                                               for n in DEFAULT_SOURCES]
     sources = [(p.name.split(".")[0], file_prompts(p)) for p in paths]
     if args.stdlib:
         sources.append(("python_stdlib", stdlib_prompts(args.stdlib, args.seed)))
-    prompts = mix_prompts(sources, args.num, args.seed)
-    log(f"{len(prompts)} prompts from " + ", ".join(f"{n} ({len(p)})" for n, p in sources))
     tokenizer = load_tokenizer(target)
     engine = Engine(target, tokenizer)
+    if args.magpie:
+        own = magpie_prompts(engine, tokenizer, args.magpie, f"{args.out}.magpie.jsonl",
+                             temperature=args.magpie_temperature, max_new_tokens=args.magpie_max_tokens,
+                             batch_size=args.batch_size, seed=args.seed, progress=not args.quiet)
+        sources.append(("magpie", own))
+    prompts = mix_prompts(sources, args.num, args.seed)
+    log(f"{len(prompts)} prompts from " + ", ".join(f"{n} ({len(p)})" for n, p in sources))
     n = generate_responses(engine, tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens,
                            max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
-                           progress=not args.quiet)
+                           temperature=args.temperature, seed=args.seed, progress=not args.quiet)
     log(f"wrote {n} sequences to {args.out}")
 
 
@@ -109,7 +127,7 @@ def run_train(args, target, log) -> None:
                       lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
                       max_grad_norm=args.max_grad_norm, gamma=args.gamma, seed=args.seed, log_every=args.log_every,
                       save_every=args.save_every, eval_every=args.eval_every)
-    data = TokenDataset.from_jsonl(args.data, cfg.seq_len, target.config.vocab_size)
+    data = TokenDataset.from_files(args.data, cfg.seq_len, target.config.vocab_size)
     train, val = data.split(args.held_out)
     if args.init:
         drafter = load_drafter(args.init, target.config, jnp.float32)
@@ -132,6 +150,17 @@ def run_train(args, target, log) -> None:
     log(f"exported {export} ({sum(f.stat().st_size for f in export.iterdir()) / 1e6:.1f} MB)")
 
 
+def run_pack(args, log) -> int:
+    from bastion_jax.training.data import pack_records, read_records
+
+    records = [r for p in args.data for r in read_records(p)]
+    vocab = args.vocab_size or 1 + max((t for r in records for t in r["prompt_ids"] + r["response_ids"]), default=0)
+    out = pack_records(records, args.out, vocab)
+    n = sum(len(r["response_ids"]) for r in records)
+    log(f"packed {len(records)} sequences ({n} response tokens) into {out} ({out.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
@@ -144,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     from bastion_jax.training.data import DataError
 
     try:
+        if args.command == "pack":
+            return run_pack(args, log)
         target = load_target(args.target or default_target_dir(verbose=not args.quiet), resolve_dtype(args.dtype))
         (run_data if args.command == "data" else run_train)(args, target, log)
     except (CheckpointError, ConfigError, DataError, DefaultModelError, ValueError) as e:

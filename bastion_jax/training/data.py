@@ -124,34 +124,135 @@ def mix_prompts(sources: Sequence[tuple[str, list[str]]], limit: int, seed: int 
 
 def generate_responses(engine, tokenizer, prompts: Sequence[tuple[str, str]], out: str | Path, *,
                        max_new_tokens: int, max_prompt_tokens: int, batch_size: int, system: str | None = None,
-                       progress: bool = True) -> int:
-    """Append `{"source", "prompt_ids", "response_ids"}` lines to `out`, resuming where it stopped.
+                       temperature: float = 0.0, seed: int = 0, progress: bool = True) -> int:
+    """Append `{"source", "prompt_ids", "response_ids", "temperature"}` lines to `out`, resuming where it stopped.
 
-    Responses are the target's greedy continuations (what the drafter must learn to predict at
-    T = 0). Prompts are sorted by length inside each batch window to keep padding small.
+    Responses are the target's own continuations: greedy (what the drafter must predict at T = 0)
+    or sampled at `temperature` (more varied text the target still finds likely). Batch `i` samples
+    with seed `seed + i`, so a resumed run writes what an uninterrupted one would have.
     """
     from tqdm import tqdm
 
+    from bastion_jax.sampling import SamplingConfig
     from bastion_jax.text import encode_prompt
 
     out = Path(out)
     done = sum(1 for _ in open(out)) if out.is_file() else 0
     todo = []
     for source, text in prompts[done:]:
-        ids = encode_prompt(tokenizer, text)
+        ids = encode_prompt(tokenizer, text, system=system)
         todo.append((source, ids[-max_prompt_tokens:] if len(ids) > max_prompt_tokens else ids))
+    sampling = SamplingConfig(temperature=temperature)
     written = 0
     with open(out, "a") as f, tqdm(total=len(todo), disable=not progress, desc="responses", unit="prompt") as bar:
         for i in range(0, len(todo), batch_size):
             batch = todo[i:i + batch_size]
-            result = engine.generate([ids for _, ids in batch], max_new_tokens=max_new_tokens, mode="ar")
+            result = engine.generate([ids for _, ids in batch], max_new_tokens=max_new_tokens, mode="ar",
+                                     sampling=sampling, seed=seed + (done + i) // batch_size)
             for (source, ids), resp in zip(batch, result.tokens):
-                f.write(json.dumps({"source": source, "prompt_ids": ids, "response_ids": resp}) + "\n")
+                f.write(json.dumps({"source": source, "prompt_ids": ids, "response_ids": resp,
+                                    "temperature": temperature}) + "\n")
             f.flush()
             written += len(batch)
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{result.stats.tokens_per_s:.0f}")
     return written
+
+
+MAGPIE_SENTINEL = "\u2063magpie query\u2063"
+
+
+def user_turn_prefix(tokenizer, system: str | None = None) -> list[int]:
+    """Token ids of the chat template up to where a user's message begins (Magpie's query prompt).
+
+    Rendered with a sentinel message and cut before it, so it follows whatever template the
+    tokenizer ships (including a default system prompt it inserts)."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": MAGPIE_SENTINEL}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    if MAGPIE_SENTINEL not in rendered:
+        raise DataError("the tokenizer's chat template does not place the user message verbatim; no Magpie prompts")
+    return list(tokenizer(rendered[:rendered.index(MAGPIE_SENTINEL)], add_special_tokens=False)["input_ids"])
+
+
+def magpie_prompts(engine, tokenizer, num: int, out: str | Path, *, temperature: float = 1.0,
+                   max_new_tokens: int = 96, batch_size: int = 32, seed: int = 0, progress: bool = True,
+                   max_tries: int = 8) -> list[str]:
+    """Up to `num` user prompts the target writes itself (Magpie: feed the chat template's user prefix
+    and sample the user turn), kept in `out` (JSONL, appended: an interrupted run resumes).
+
+    Turns that do not end with a stop token inside `max_new_tokens`, very short ones and repeats are
+    dropped; batch `i` samples with seed `seed + i`, so reruns are deterministic."""
+    from tqdm import tqdm
+
+    from bastion_jax.sampling import SamplingConfig
+
+    out = Path(out)
+    have = [json.loads(line)["prompt"] for line in open(out)] if out.is_file() else []
+    seen = set(have)
+    prefix = user_turn_prefix(tokenizer)
+    sampling = SamplingConfig(temperature=temperature)
+    batch_index = len(have) // max(1, batch_size)
+    tries = 0
+    with open(out, "a") as f, tqdm(total=num, initial=min(len(have), num), disable=not progress,
+                                   desc="magpie prompts", unit="prompt") as bar:
+        while len(have) < num and tries < max_tries * (num // batch_size + 1):
+            result = engine.generate([prefix] * batch_size, max_new_tokens=max_new_tokens, mode="ar",
+                                     sampling=sampling, seed=seed + batch_index)
+            batch_index += 1
+            tries += 1
+            for toks in result.tokens:
+                if not toks or toks[-1] not in engine.stop_ids:
+                    continue  # ran out of budget mid-question
+                text = tokenizer.decode(toks[:-1], skip_special_tokens=True).strip()
+                if len(text) < 16 or text in seen or len(have) >= num:
+                    continue
+                seen.add(text)
+                have.append(text)
+                f.write(json.dumps({"prompt": text}, ensure_ascii=False) + "\n")
+                bar.update(1)
+            f.flush()
+    return have[:num]
+
+
+def pack_records(records: Sequence[dict], out: str | Path, vocab_size: int) -> Path:
+    """Store token sequences compactly (uint16 when the vocabulary fits, zip-compressed) for committing.
+
+    Arrays: `tokens` (all prompt+response ids back to back), `offsets` [n+1], `prompt_lens` [n],
+    `source_ids` [n] indexing `sources`, `temperatures` [n]."""
+    dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+    sources = sorted({str(r.get("source", "")) for r in records})
+    seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in records]
+    offsets = np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(out, tokens=np.fromiter((t for s in seqs for t in s), dtype, int(offsets[-1])),
+                        offsets=offsets, prompt_lens=np.array([len(r["prompt_ids"]) for r in records], np.int32),
+                        source_ids=np.array([sources.index(str(r.get("source", ""))) for r in records], np.int32),
+                        sources=np.array(sources), vocab_size=np.int64(vocab_size),
+                        temperatures=np.array([float(r.get("temperature", 0.0)) for r in records], np.float32))
+    return out
+
+
+def read_packed(path: str | Path) -> list[dict]:
+    """The records `pack_records` stored."""
+    try:
+        z = np.load(path)
+        tokens, offsets, plens = z["tokens"], z["offsets"], z["prompt_lens"]
+        sources, sids, temps = z["sources"], z["source_ids"], z["temperatures"]
+    except (OSError, KeyError, ValueError) as e:
+        raise DataError(f"{path} is not a packed token file: {e}") from None
+    out = []
+    for i in range(len(plens)):
+        seq = tokens[offsets[i]:offsets[i + 1]].astype(np.int64).tolist()
+        out.append({"source": str(sources[sids[i]]), "prompt_ids": seq[:plens[i]], "response_ids": seq[plens[i]:],
+                    "temperature": float(temps[i])})
+    return out
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """Training records from a JSONL(.gz) file of the data command or a packed `.npz`."""
+    return read_packed(path) if str(path).endswith(".npz") else read_jsonl(path)
 
 
 class TokenDataset:
@@ -178,8 +279,8 @@ class TokenDataset:
         self.tokens, self.loss_mask = tokens[keep], loss_mask[keep]
 
     @classmethod
-    def from_jsonl(cls, paths: Sequence[str | Path], seq_len: int, vocab_size: int) -> "TokenDataset":
-        records = [r for p in paths for r in read_jsonl(p)]
+    def from_files(cls, paths: Sequence[str | Path], seq_len: int, vocab_size: int) -> "TokenDataset":
+        records = [r for p in paths for r in read_records(p)]
         return cls(records, seq_len, vocab_size)
 
     def __len__(self) -> int:

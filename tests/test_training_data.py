@@ -1,0 +1,98 @@
+"""Drafter training data: Magpie self-written prompts, sampled responses, compact packed storage."""
+
+import json
+
+import numpy as np
+import pytest
+
+from bastion_jax.testing import tiny_tokenizer
+from bastion_jax.training.data import (DataError, TokenDataset, magpie_prompts, pack_records, read_packed,
+                                       read_records, user_turn_prefix)
+
+CHAT = ("{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+        "{% if add_generation_prompt %}<s> assistant {% endif %}")
+
+
+def chat_tokenizer():
+    tok = tiny_tokenizer()
+    tok.chat_template = CHAT
+    return tok
+
+
+def test_user_turn_prefix_is_the_template_up_to_the_message():
+    tok = chat_tokenizer()
+    vocab = tok.get_vocab()
+    # "<s> user w7 </s>" rendered with the message w7: the prefix stops right before w7.
+    assert user_turn_prefix(tok) == [vocab["<s>"], tok.unk_token_id]  # "user" is not in the toy vocabulary
+    with_system = user_turn_prefix(tok, system="w9")
+    assert with_system[:4] == [vocab["<s>"], tok.unk_token_id, vocab["w9"], vocab["</s>"]]
+
+
+def test_user_turn_prefix_refuses_templates_that_rewrite_the_message():
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    with pytest.raises(DataError, match="Magpie"):
+        user_turn_prefix(tok)
+
+
+class FakeEngine:
+    """Returns scripted token lists so the Magpie filter (stop token, length, repeats) is checked exactly."""
+
+    stop_ids = frozenset({2})
+
+    def __init__(self, batches):
+        self.batches = list(batches)
+        self.seeds = []
+
+    def generate(self, prompts, *, max_new_tokens, mode, sampling, seed):
+        from types import SimpleNamespace
+
+        assert mode == "ar" and sampling.temperature == 1.0
+        self.seeds.append(seed)
+        return SimpleNamespace(tokens=self.batches.pop(0))
+
+
+def test_magpie_filters_and_resumes(tmp_path):
+    tok = chat_tokenizer()
+    words = lambda *ids: [tok.get_vocab()[f"w{i}"] for i in ids]  # noqa: E731
+    long_q = words(*range(10, 20))
+    batches = [
+        [long_q + [2], long_q + [2], words(5) + [2], long_q[:5] + words(30, 31, 32, 33, 34)],  # repeat, short, no stop
+        [words(*range(40, 50)) + [2], words(*range(50, 60)) + [2], [], [2]],
+    ]
+    out = tmp_path / "m.jsonl"
+    engine = FakeEngine(batches)
+    got = magpie_prompts(engine, tok, 2, out, batch_size=4, seed=7, progress=False)
+    assert got == [tok.decode(long_q), tok.decode(words(*range(40, 50)))]
+    assert engine.seeds == [7, 8]
+    assert [json.loads(line)["prompt"] for line in open(out)] == got
+    # A rerun with the file present generates nothing more.
+    again = FakeEngine([])
+    assert magpie_prompts(again, tok, 2, out, batch_size=4, seed=7, progress=False) == got
+    assert again.seeds == []
+
+
+def test_pack_round_trip_is_exact_and_compact(tmp_path):
+    rng = np.random.default_rng(0)
+    records = [{"source": s, "prompt_ids": rng.integers(0, 49152, n).tolist(),
+                "response_ids": rng.integers(0, 49152, m).tolist(), "temperature": t}
+               for s, n, m, t in [("gsm8k_train", 30, 50, 0.0), ("magpie", 12, 0, 0.7), ("code", 1, 200, 0.0)]]
+    path = pack_records(records, tmp_path / "d.npz", vocab_size=49152)
+    assert np.load(path)["tokens"].dtype == np.uint16
+    back = read_packed(path)
+    assert [r["prompt_ids"] for r in back] == [r["prompt_ids"] for r in records]
+    assert [r["response_ids"] for r in back] == [r["response_ids"] for r in records]
+    assert [(r["source"], r["temperature"]) for r in back] == [(r["source"], pytest.approx(r["temperature"]))
+                                                             for r in records]
+    assert read_records(path) == back
+    big = pack_records(records[:1], tmp_path / "big.npz", vocab_size=70000)
+    assert np.load(big)["tokens"].dtype == np.uint32
+    data = TokenDataset.from_files([path], seq_len=64, vocab_size=49152)
+    assert len(data) == 2  # the response-less record has no anchor
+
+
+def test_packed_file_errors(tmp_path):
+    bad = tmp_path / "x.npz"
+    np.savez(bad, tokens=np.zeros(3, np.uint16))
+    with pytest.raises(DataError, match="not a packed token file"):
+        read_packed(bad)
