@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from bastion_jax.modeling.cache import KVCache
+from bastion_jax.modeling.cache import KVCache, causal_mask, write_rows
 from bastion_jax.sampling import SamplingConfig, sample
 from bastion_jax.decoding import prefill_target
 from bastion_jax.speculative import Proposal, StepOutput, draft_logits, merge_models
@@ -30,6 +30,28 @@ class TreeState:
     drafter_cache: KVCache
     tree: Tree  # batched, max-bucket nodes; node 0 is the root (last committed token, no K/V yet)
     length: jax.Array  # [b] committed tokens with K/V in the target cache (= root's position)
+    # Tap features of committed tokens the drafter has not read yet (steps that did not draft):
+    # positions [length - pending_len, length). The next drafting step injects them first.
+    pending: jax.Array  # [b, W, F]
+    pending_len: jax.Array  # [b]
+
+
+def pending_slots(block_size: int) -> int:
+    """W, the feature buffer of steps that do not draft: a tree step adds at most `block_size`
+    rows, a root step one; the host flushes (or drafts) before it would overflow."""
+    return 2 * block_size
+
+
+def root_tree(root: jax.Array, like: Tree) -> Tree:
+    """A tree holding only `root` [b] (the state after a step that did not draft), shaped like `like`:
+    padding nodes (token -1, never accepted) fill the rest so every bucket still slices it."""
+    b, n = like.tokens.shape
+    node = jnp.arange(n)
+    tokens = jnp.where(node[None] == 0, root[:, None].astype(jnp.int32), -1)  # [b, n]
+    parents = jnp.broadcast_to(jnp.where(node == 0, -1, 0).astype(jnp.int32), (b, n))
+    log_probs = jnp.broadcast_to(jnp.where(node == 0, 0.0, -jnp.inf).astype(jnp.float32), (b, n))
+    ancestors = jnp.broadcast_to((node[:, None] == node[None, :]) | (node[None, :] == 0), (b, n, n))
+    return Tree(tokens, parents, jnp.zeros((b, n), jnp.int32), log_probs, ancestors)
 
 
 _STATIC = ("target_def", "drafter_def", "sampling", "block_size", "mask_token_id", "tap_layers", "proposal",
@@ -57,16 +79,45 @@ def tree_prefill(target_state, drafter_state, target_cache: KVCache, drafter_cac
     tree, curve, drafter_cache = _next_tree(target, drafter, drafter_cache, features, jnp.zeros_like(lengths),
                                             lengths, root, block_size=block_size, mask_token_id=mask_token_id,
                                             proposal=proposal, buckets=buckets, top_k=top_k)
+    pending = jnp.zeros((root.shape[0], pending_slots(block_size), features.shape[-1]), features.dtype)
     # `lengths + 0`: a fresh buffer, so the first step can donate the state without a copy.
-    return TreeState(target_cache, drafter_cache, tree, lengths + 0), curve
+    return TreeState(target_cache, drafter_cache, tree, lengths + 0, pending, jnp.zeros_like(lengths)), curve
+
+
+def _then(then: jax.Array, target, drafter, state: TreeState, pending: jax.Array, pending_len: jax.Array,
+          ctx_start: jax.Array, root: jax.Array, *, block_size, mask_token_id, proposal, buckets, top_k):
+    """What a step does after committing: 0 = hold (buffer the features, next step is a root step),
+    1 = draft the next tree (injecting every buffered feature first), 2 = flush (inject, no draft).
+
+    `then` is traced (`lax.switch`), so one executable per bucket serves all three and only the
+    chosen branch runs. Returns (drafter cache, next tree, curve [b, n_buckets], pending_len)."""
+    n_buckets = len(buckets)
+
+    def hold(_):
+        return state.drafter_cache, root_tree(root, state.tree), jnp.zeros((root.shape[0], n_buckets)), pending_len
+
+    def draft(_):
+        tree, curve, dcache = _next_tree(target, drafter, state.drafter_cache, pending, ctx_start, pending_len, root,
+                                         block_size=block_size, mask_token_id=mask_token_id, proposal=proposal,
+                                         buckets=buckets, top_k=top_k)
+        return dcache, tree, curve, jnp.zeros_like(pending_len)
+
+    def flush(_):
+        dcache = (drafter.inject(pending, ctx_start, state.drafter_cache, target.embed_tokens.weight.dtype)
+                  if drafter is not None
+                  else state.drafter_cache)
+        return dcache, root_tree(root, state.tree), jnp.zeros((root.shape[0], n_buckets)), jnp.zeros_like(pending_len)
+
+    return jax.lax.switch(then, (hold, draft, flush), None)
 
 
 @partial(jax.jit, static_argnames=_STATIC + ("bucket",), donate_argnames=("state",))
-def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array, *, bucket: int,
-              target_def, drafter_def, sampling: SamplingConfig, block_size: int, mask_token_id: int,
-              tap_layers: tuple[int, ...], proposal: Optional[Proposal], buckets: tuple[int, ...],
-              top_k: int) -> tuple[TreeState, StepOutput, jax.Array]:
-    """Verify the first `bucket` nodes of the tree, accept, compact, draft the next tree."""
+def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
+              then: jax.Array | int = 1, *, bucket: int, target_def, drafter_def, sampling: SamplingConfig,
+              block_size: int, mask_token_id: int, tap_layers: tuple[int, ...], proposal: Optional[Proposal],
+              buckets: tuple[int, ...], top_k: int) -> tuple[TreeState, StepOutput, jax.Array]:
+    """Verify the first `bucket` nodes of the tree, accept, compact, then (`then`, see `_then`) draft
+    the next tree (1, the default), or hold the new features for a later draft (0) or flush (2)."""
     target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
     tree = slice_tree(state.tree, bucket)
     length = state.length
@@ -89,10 +140,39 @@ def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, 
                 else jnp.zeros((tokens.shape[0], depth + 1, 1), jnp.float32))  # [b, depth + 1, F]
     new_length = jnp.where(active, length + accepted + 1, length)
     n_ctx = jnp.where(active, accepted + 1, 0)
-    next_tree, curve, drafter_cache = _next_tree(target, drafter, state.drafter_cache, features, length, n_ctx,
-                                                 bonus, block_size=block_size, mask_token_id=mask_token_id,
-                                                 proposal=proposal, buckets=buckets, top_k=top_k)
-    return TreeState(target_cache, drafter_cache, next_tree, new_length), StepOutput(emitted, accepted + 1), curve
+    pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len)  # [b, W, F]
+    drafter_cache, next_tree, curve, pending_len = _then(
+        jnp.asarray(then, jnp.int32), target, drafter, state, pending, state.pending_len + n_ctx,
+        length - state.pending_len, bonus, block_size=block_size, mask_token_id=mask_token_id, proposal=proposal,
+        buckets=buckets, top_k=top_k)
+    new_state = TreeState(target_cache, drafter_cache, next_tree, new_length, pending, pending_len)
+    return new_state, StepOutput(emitted, accepted + 1), curve
+
+
+@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+def root_step(target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
+              then: jax.Array | int = 0, *, target_def, drafter_def, sampling: SamplingConfig, block_size: int,
+              mask_token_id: int, tap_layers: tuple[int, ...], proposal: Optional[Proposal],
+              buckets: tuple[int, ...], top_k: int) -> tuple[TreeState, StepOutput, jax.Array]:
+    """A plain AR step for a state that holds no draft (the previous step did not draft): the
+    target forward on the root alone (no tree mask, walk or compaction), its features buffered,
+    then hold (0), draft the next tree (1) or flush the buffer into the drafter (2)."""
+    target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
+    root = state.tree.tokens[:, 0]
+    length = state.length
+    cache = state.target_cache
+    out = target(root[:, None], length[:, None], cache, length, causal_mask(length, 1, cache.max_len),
+                 tap_layers=tap_layers)
+    choice = sample(out.logits, key, sampling)[:, 0]  # [b]
+    features = (out.taps if out.taps is not None else jnp.zeros((root.shape[0], 1, 1), jnp.float32))  # [b, 1, F]
+    n_new = active.astype(jnp.int32)
+    pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len)
+    drafter_cache, next_tree, curve, pending_len = _then(
+        jnp.asarray(then, jnp.int32), target, drafter, state, pending, state.pending_len + n_new,
+        length - state.pending_len, choice, block_size=block_size, mask_token_id=mask_token_id, proposal=proposal,
+        buckets=buckets, top_k=top_k)
+    new_state = TreeState(out.cache, drafter_cache, next_tree, length + n_new, pending, pending_len)
+    return new_state, StepOutput(choice[:, None], jnp.ones_like(length)), curve
 
 
 # -- the two halves of a step, jitted on their own for the profiler ------------------------------

@@ -108,6 +108,21 @@ class Drafter(nnx.Module):
             vs.append(v_buf)
         return self.norm(h), KVCache(k=tuple(ks), v=tuple(vs))
 
+    def inject(self, ctx_features: jax.Array, ctx_start: jax.Array, cache: KVCache, dtype: jnp.dtype) -> KVCache:
+        """Write context K/V for `ctx_features` [b, C, n_taps*h] at positions ctx_start + i, without
+        drafting a block: exactly what `__call__` (with block embeddings of `dtype`) does to the
+        cache, for steps that only catch the drafter up."""
+        c = ctx_features.shape[1]
+        inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim)
+        rope_ctx = rope_cos_sin(inv_freq, ctx_start[:, None] + jnp.arange(c)[None], dtype)
+        x_ctx = self.project(ctx_features.astype(dtype))  # [b, C, h]
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            k_ctx, v_ctx = layer.self_attn.context_kv(x_ctx, rope_ctx)  # [b, C, kv_heads, d]
+            ks.append(write_rows(cache.k[i], k_ctx, ctx_start))
+            vs.append(write_rows(cache.v[i], v_ctx, ctx_start))
+        return KVCache(k=tuple(ks), v=tuple(vs))
+
     def project(self, features: jax.Array) -> jax.Array:
         """Fused target features [..., n_taps * target_hidden] -> drafter context states [..., h]."""
         return self.hidden_norm(self.fc(features))
