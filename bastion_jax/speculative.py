@@ -39,6 +39,33 @@ class SpecState:
 
 
 @struct.dataclass
+class DraftVocab:
+    """A frequency-ranked draft vocabulary (FR-Spec): the drafter scores only these `N` tokens, so its
+    LM head costs N/V of the full one. Verification keeps the target's full vocabulary, so output is
+    unchanged; only drafts outside the set become impossible."""
+
+    ids: jax.Array  # [N] int32 target token ids, most frequent first
+    weight: jax.Array  # [N, hidden] the target LM head's rows for `ids`
+
+    @classmethod
+    def from_ranking(cls, target, ranking, n: int) -> "DraftVocab":
+        """The `n` most frequent tokens of `ranking` (ids, most frequent first) with `target`'s LM-head rows."""
+        import numpy as np
+
+        ids = np.asarray(ranking, np.int64)[:n]
+        vocab = target.config.vocab_size
+        if not 0 < n <= vocab or len(ids) < n or len(set(ids.tolist())) != n or ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"draft vocabulary of {n} tokens needs {n} distinct ids in [0, {vocab}); the ranking has "
+                             f"{len(ids)}")
+        head = target.state["lm_head"] if "lm_head" in target.state else target.state["embed_tokens"]
+        return cls(jnp.asarray(ids, jnp.int32), jnp.take(head["weight"][...], jnp.asarray(ids), axis=0))
+
+    def to_target(self, draft_tokens: jax.Array) -> jax.Array:
+        """Target ids of indices into this vocabulary; negative entries (padding) stay as they are."""
+        return jnp.where(draft_tokens >= 0, self.ids[jnp.maximum(draft_tokens, 0)], draft_tokens)
+
+
+@struct.dataclass
 class StepOutput:
     tokens: jax.Array  # [b, B] emitted tokens, the first `count` valid (accepted drafts + bonus)
     count: jax.Array  # [b] accepted + 1
@@ -46,17 +73,23 @@ class StepOutput:
 
 def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array,
                  ctx_len: jax.Array, root: jax.Array, *, block_size: int, mask_token_id: int,
-                 proposal: Optional[Proposal]) -> tuple[jax.Array, KVCache]:
+                 proposal: Optional[Proposal], draft_vocab: Optional[DraftVocab] = None) -> tuple[jax.Array, KVCache]:
     """Inject `features` [b, C, F] (first ctx_len real) at ctx_start, then draft the block after `root`.
 
     Returns the per-position logits [b, B-1, vocab] (slot k predicts position s + k, s = root's
-    position) and the drafter cache holding context for positions [0, s).
+    position; over `draft_vocab`'s N tokens when given) and the drafter cache holding context for
+    positions [0, s).
     """
     b = root.shape[0]
     block = jnp.concatenate([root[:, None], jnp.full((b, block_size - 1), mask_token_id, jnp.int32)], axis=1)
     if drafter is not None:
         hidden, drafter_cache = drafter(target.embed_tokens(block), features, ctx_start, ctx_len, drafter_cache)
-        logits = target.logits(hidden[:, 1:])  # [b, B-1, vocab]
+        if draft_vocab is not None:
+            w = draft_vocab.weight  # [N, h]
+            logits = jnp.einsum("bkh,nh->bkn", hidden[:, 1:].astype(w.dtype), w,
+                                preferred_element_type=jnp.float32)  # [b, B-1, N]
+        else:
+            logits = target.logits(hidden[:, 1:])  # [b, B-1, vocab]
     else:
         logits = jnp.zeros((b, block_size - 1, target.config.vocab_size), jnp.float32)
     if proposal is not None:
@@ -64,10 +97,11 @@ def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, c
     return logits, drafter_cache
 
 
-def draft_block(*args, **kwargs) -> tuple[jax.Array, KVCache]:
+def draft_block(*args, draft_vocab: Optional[DraftVocab] = None, **kwargs) -> tuple[jax.Array, KVCache]:
     """Greedy chain drafts [b, B-1]: losslessness comes from verification, not from drafting."""
-    logits, cache = draft_logits(*args, **kwargs)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+    logits, cache = draft_logits(*args, draft_vocab=draft_vocab, **kwargs)
+    drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return (draft_vocab.to_target(drafts) if draft_vocab is not None else drafts), cache
 
 
 _STATIC = ("target_def", "drafter_def", "sampling", "block_size", "mask_token_id", "tap_layers", "proposal")
@@ -82,14 +116,15 @@ def merge_models(target_def, target_state, drafter_def, drafter_state):
 
 @partial(jax.jit, static_argnames=_STATIC, donate_argnames=("target_cache", "drafter_cache"))
 def spec_prefill(target_state, drafter_state, target_cache: KVCache, drafter_cache: KVCache,
-                 tokens: jax.Array, lengths: jax.Array, key: jax.Array, *, target_def, drafter_def,
-                 sampling: SamplingConfig, block_size: int, mask_token_id: int, tap_layers: tuple[int, ...],
-                 proposal: Optional[Proposal]) -> SpecState:
+                 tokens: jax.Array, lengths: jax.Array, key: jax.Array, draft_vocab: Optional[DraftVocab] = None, *,
+                 target_def, drafter_def, sampling: SamplingConfig, block_size: int, mask_token_id: int,
+                 tap_layers: tuple[int, ...], proposal: Optional[Proposal]) -> SpecState:
     """Target prefill (tokens [b, bucket] right-padded, lengths [b]) + the drafter's first block."""
     target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
     root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, sampling, tap_layers)
     drafts, drafter_cache = draft_block(target, drafter, drafter_cache, features, jnp.zeros_like(lengths), lengths,
-                                        root, block_size=block_size, mask_token_id=mask_token_id, proposal=proposal)
+                                        root, block_size=block_size, mask_token_id=mask_token_id, proposal=proposal,
+                                        draft_vocab=draft_vocab)
     return SpecState(target_cache, drafter_cache, root, drafts, lengths + 0)  # fresh buffer: donatable
 
 
@@ -100,9 +135,10 @@ def accept_chain(drafts: jax.Array, choices: jax.Array) -> jax.Array:
 
 
 @partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def spec_step(target_state, drafter_state, state: SpecState, active: jax.Array, key: jax.Array, *,
-              target_def, drafter_def, sampling: SamplingConfig, block_size: int, mask_token_id: int,
-              tap_layers: tuple[int, ...], proposal: Optional[Proposal]) -> tuple[SpecState, StepOutput]:
+def spec_step(target_state, drafter_state, state: SpecState, active: jax.Array, key: jax.Array,
+              draft_vocab: Optional[DraftVocab] = None, *, target_def, drafter_def, sampling: SamplingConfig,
+              block_size: int, mask_token_id: int, tap_layers: tuple[int, ...],
+              proposal: Optional[Proposal]) -> tuple[SpecState, StepOutput]:
     """Verify the current block, accept, emit, inject features and draft the next block."""
     target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
     cache = state.target_cache
@@ -122,6 +158,7 @@ def spec_step(target_state, drafter_state, state: SpecState, active: jax.Array, 
     n_ctx = jnp.where(active, accepted + 1, 0)
     features = out.taps if out.taps is not None else jnp.zeros((tokens.shape[0], block_size, 1), jnp.float32)
     drafts, drafter_cache = draft_block(target, drafter, state.drafter_cache, features, length, n_ctx, bonus,
-                                        block_size=block_size, mask_token_id=mask_token_id, proposal=proposal)
+                                        block_size=block_size, mask_token_id=mask_token_id, proposal=proposal,
+                                        draft_vocab=draft_vocab)
     new_state = SpecState(out.cache, drafter_cache, bonus, drafts, new_length)
     return new_state, StepOutput(emitted, accepted + 1)

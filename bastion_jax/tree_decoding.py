@@ -19,7 +19,7 @@ from flax import nnx, struct
 from bastion_jax.modeling.cache import KVCache, causal_mask, write_rows
 from bastion_jax.sampling import SamplingConfig, sample
 from bastion_jax.decoding import prefill_target
-from bastion_jax.speculative import Proposal, StepOutput, draft_logits, merge_models
+from bastion_jax.speculative import DraftVocab, Proposal, StepOutput, draft_logits, merge_models
 from bastion_jax.tree import Tree, build_tree, slice_tree, surrogate_curve
 from bastion_jax.verify import compact_cache, tree_attention_mask, walk
 
@@ -58,26 +58,32 @@ _STATIC = ("target_def", "drafter_def", "sampling", "block_size", "mask_token_id
            "buckets", "top_k")
 
 
-def _next_tree(target, drafter, drafter_cache, features, ctx_start, ctx_len, root, *, block_size, mask_token_id,
-               proposal, buckets, top_k):
+def _next_tree(target, drafter, drafter_cache, features, ctx_start, ctx_len, root, draft_vocab=None, *, block_size,
+               mask_token_id, proposal, buckets, top_k):
     logits, drafter_cache = draft_logits(target, drafter, drafter_cache, features, ctx_start, ctx_len, root,
-                                         block_size=block_size, mask_token_id=mask_token_id, proposal=proposal)
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [b, B-1, vocab]
+                                         block_size=block_size, mask_token_id=mask_token_id, proposal=proposal,
+                                         draft_vocab=draft_vocab)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [b, B-1, vocab or N]
     tree = jax.vmap(build_tree, in_axes=(0, 0, None, None))(root, log_probs, max(buckets), top_k)
+    if draft_vocab is not None:  # node tokens index the draft vocabulary; the root is a target id already
+        is_node = jnp.arange(tree.tokens.shape[1])[None] > 0
+        tree = tree._replace(tokens=jnp.where(is_node, draft_vocab.to_target(tree.tokens), tree.tokens))
     curve = jax.vmap(surrogate_curve, in_axes=(0, None))(tree, buckets)  # [b, n_buckets]
     return tree, curve, drafter_cache
 
 
 @partial(jax.jit, static_argnames=_STATIC, donate_argnames=("target_cache", "drafter_cache"))
 def tree_prefill(target_state, drafter_state, target_cache: KVCache, drafter_cache: KVCache, tokens: jax.Array,
-                 lengths: jax.Array, key: jax.Array, *, target_def, drafter_def, sampling: SamplingConfig,
+                 lengths: jax.Array, key: jax.Array, draft_vocab: Optional[DraftVocab] = None, *, target_def,
+                 drafter_def, sampling: SamplingConfig,
                  block_size: int, mask_token_id: int, tap_layers: tuple[int, ...], proposal: Optional[Proposal],
                  buckets: tuple[int, ...], top_k: int) -> tuple[TreeState, jax.Array]:
     """Target prefill + the first draft tree. Returns (state, surrogate curve [b, n_buckets])."""
     target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
     root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, sampling, tap_layers)
     tree, curve, drafter_cache = _next_tree(target, drafter, drafter_cache, features, jnp.zeros_like(lengths),
-                                            lengths, root, block_size=block_size, mask_token_id=mask_token_id,
+                                            lengths, root, draft_vocab, block_size=block_size,
+                                            mask_token_id=mask_token_id,
                                             proposal=proposal, buckets=buckets, top_k=top_k)
     pending = jnp.zeros((root.shape[0], pending_slots(block_size), features.shape[-1]), features.dtype)
     # `lengths + 0`: a fresh buffer, so the first step can donate the state without a copy.
@@ -85,7 +91,8 @@ def tree_prefill(target_state, drafter_state, target_cache: KVCache, drafter_cac
 
 
 def _then(then: jax.Array, target, drafter, state: TreeState, pending: jax.Array, pending_len: jax.Array,
-          ctx_start: jax.Array, root: jax.Array, *, block_size, mask_token_id, proposal, buckets, top_k):
+          ctx_start: jax.Array, root: jax.Array, draft_vocab: Optional[DraftVocab], *, block_size, mask_token_id,
+          proposal, buckets, top_k):
     """What a step does after committing: 0 = hold (buffer the features, next step is a root step),
     1 = draft the next tree (injecting every buffered feature first), 2 = flush (inject, no draft).
 
@@ -98,7 +105,8 @@ def _then(then: jax.Array, target, drafter, state: TreeState, pending: jax.Array
 
     def draft(_):
         tree, curve, dcache = _next_tree(target, drafter, state.drafter_cache, pending, ctx_start, pending_len, root,
-                                         block_size=block_size, mask_token_id=mask_token_id, proposal=proposal,
+                                         draft_vocab, block_size=block_size, mask_token_id=mask_token_id,
+                                         proposal=proposal,
                                          buckets=buckets, top_k=top_k)
         return dcache, tree, curve, jnp.zeros_like(pending_len)
 
@@ -113,7 +121,8 @@ def _then(then: jax.Array, target, drafter, state: TreeState, pending: jax.Array
 
 @partial(jax.jit, static_argnames=_STATIC + ("bucket",), donate_argnames=("state",))
 def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
-              then: jax.Array | int = 1, *, bucket: int, target_def, drafter_def, sampling: SamplingConfig,
+              then: jax.Array | int = 1, draft_vocab: Optional[DraftVocab] = None, *, bucket: int, target_def,
+              drafter_def, sampling: SamplingConfig,
               block_size: int, mask_token_id: int, tap_layers: tuple[int, ...], proposal: Optional[Proposal],
               buckets: tuple[int, ...], top_k: int) -> tuple[TreeState, StepOutput, jax.Array]:
     """Verify the first `bucket` nodes of the tree, accept, compact, then (`then`, see `_then`) draft
@@ -143,7 +152,8 @@ def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, 
     pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len)  # [b, W, F]
     drafter_cache, next_tree, curve, pending_len = _then(
         jnp.asarray(then, jnp.int32), target, drafter, state, pending, state.pending_len + n_ctx,
-        length - state.pending_len, bonus, block_size=block_size, mask_token_id=mask_token_id, proposal=proposal,
+        length - state.pending_len, bonus, draft_vocab, block_size=block_size, mask_token_id=mask_token_id,
+        proposal=proposal,
         buckets=buckets, top_k=top_k)
     new_state = TreeState(target_cache, drafter_cache, next_tree, new_length, pending, pending_len)
     return new_state, StepOutput(emitted, accepted + 1), curve
@@ -151,7 +161,8 @@ def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, 
 
 @partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
 def root_step(target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
-              then: jax.Array | int = 0, *, target_def, drafter_def, sampling: SamplingConfig, block_size: int,
+              then: jax.Array | int = 0, draft_vocab: Optional[DraftVocab] = None, *, target_def, drafter_def,
+              sampling: SamplingConfig, block_size: int,
               mask_token_id: int, tap_layers: tuple[int, ...], proposal: Optional[Proposal],
               buckets: tuple[int, ...], top_k: int) -> tuple[TreeState, StepOutput, jax.Array]:
     """A plain AR step for a state that holds no draft (the previous step did not draft): the
@@ -169,7 +180,8 @@ def root_step(target_state, drafter_state, state: TreeState, active: jax.Array, 
     pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len)
     drafter_cache, next_tree, curve, pending_len = _then(
         jnp.asarray(then, jnp.int32), target, drafter, state, pending, state.pending_len + n_new,
-        length - state.pending_len, choice, block_size=block_size, mask_token_id=mask_token_id, proposal=proposal,
+        length - state.pending_len, choice, draft_vocab, block_size=block_size, mask_token_id=mask_token_id,
+        proposal=proposal,
         buckets=buckets, top_k=top_k)
     new_state = TreeState(out.cache, drafter_cache, next_tree, length + n_new, pending, pending_len)
     return new_state, StepOutput(choice[:, None], jnp.ones_like(length)), curve
@@ -196,11 +208,13 @@ def tree_verify(target_state, target_cache: KVCache, tree: Tree, length: jax.Arr
 @partial(jax.jit, static_argnames=("target_def", "drafter_def", "block_size", "mask_token_id", "proposal",
                                    "buckets", "top_k"), donate_argnames=("drafter_cache",))
 def tree_draft(target_state, drafter_state, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array,
-               ctx_len: jax.Array, root: jax.Array, *, target_def, drafter_def, block_size: int, mask_token_id: int,
+               ctx_len: jax.Array, root: jax.Array, draft_vocab: Optional[DraftVocab] = None, *, target_def,
+               drafter_def, block_size: int, mask_token_id: int,
                proposal: Optional[Proposal], buckets: tuple[int, ...],
                top_k: int) -> tuple[Tree, jax.Array, KVCache]:
     """Draft only: inject `features` [b, C, F], run the drafter's block after `root` and build the
     next tree (the second half of `tree_step`). Returns (tree, curve [b, n_buckets], drafter cache)."""
     target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
-    return _next_tree(target, drafter, drafter_cache, features, ctx_start, ctx_len, root, block_size=block_size,
+    return _next_tree(target, drafter, drafter_cache, features, ctx_start, ctx_len, root, draft_vocab,
+                      block_size=block_size,
                       mask_token_id=mask_token_id, proposal=proposal, buckets=buckets, top_k=top_k)

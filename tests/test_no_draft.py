@@ -129,3 +129,30 @@ def test_mixed_steps_sample_the_target_law(vocab6_target):
     m = expected > 5
     chi2 = float(((counts[m] - expected[m]) ** 2 / expected[m]).sum())
     assert chi2 < 1.5 * m.sum() + 60  # dof ~ m.sum(): far beyond p = 1e-4 only for a biased sampler
+
+
+def test_draft_vocab_permutation_gives_the_same_trees(pair):
+    """A draft vocabulary holding every token (in a shuffled order) must reproduce the full-vocabulary
+    trees exactly: the index -> token map is applied to every node and never to the root."""
+    from bastion_jax.speculative import DraftVocab
+
+    target, drafter = pair
+    static = dict(target_def=target.graphdef, drafter_def=drafter.graphdef, sampling=SamplingConfig(),
+                  block_size=BLOCK, mask_token_id=drafter.config.mask_token_id,
+                  tap_layers=tuple(drafter.config.target_layer_ids), proposal=None, buckets=BUCKETS, top_k=4)
+    v = target.config.vocab_size
+    padded = jnp.asarray([[5, 9, 11, 40, 41] + [0] * 11])
+    args = lambda: (target.state, drafter.state, KVCache.create(target.config, 1, 64, target.dtype),  # noqa: E731
+                    KVCache.create(drafter.config, 1, 64, target.dtype), padded, jnp.array([5]), jax.random.PRNGKey(0))
+    full, curve = tree_prefill(*args(), **static)
+    shuffled = DraftVocab.from_ranking(target, np.random.default_rng(0).permutation(v), v)
+    same, curve2 = tree_prefill(*args(), shuffled, **static)
+    np.testing.assert_array_equal(np.asarray(same.tree.tokens), np.asarray(full.tree.tokens))
+    np.testing.assert_allclose(np.asarray(curve2), np.asarray(curve), rtol=1e-5)
+    small = DraftVocab.from_ranking(target, np.arange(v)[::-1], 20)  # ids 95..76 only
+    part, _ = tree_prefill(*args(), small, **static)
+    toks = np.asarray(part.tree.tokens)[0]
+    assert toks[0] == int(full.tree.tokens[0, 0])  # the root is the target's token, not remapped
+    assert set(toks[1:][toks[1:] >= 0]) <= set(range(76, 96))
+    with pytest.raises(ValueError, match="distinct ids"):
+        DraftVocab.from_ranking(target, [3, 3, 4], 3)
