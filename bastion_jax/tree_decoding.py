@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from bastion_jax.modeling.cache import KVCache, causal_mask, write_rows
+
+HOLD, DRAFT, FLUSH = 0, 1, 2  # what a step does after committing (see `_then`)
 from bastion_jax.sampling import SamplingConfig, sample
 from bastion_jax.decoding import prefill_target
 from bastion_jax.speculative import DraftVocab, Proposal, StepOutput, draft_logits, merge_models
@@ -90,38 +92,32 @@ def tree_prefill(target_state, drafter_state, target_cache: KVCache, drafter_cac
     return TreeState(target_cache, drafter_cache, tree, lengths + 0, pending, jnp.zeros_like(lengths)), curve
 
 
-def _then(then: jax.Array, target, drafter, state: TreeState, pending: jax.Array, pending_len: jax.Array,
+def _then(then: int, target, drafter, state: TreeState, pending: jax.Array, pending_len: jax.Array,
           ctx_start: jax.Array, root: jax.Array, draft_vocab: Optional[DraftVocab], *, block_size, mask_token_id,
           proposal, buckets, top_k):
-    """What a step does after committing: 0 = hold (buffer the features, next step is a root step),
-    1 = draft the next tree (injecting every buffered feature first), 2 = flush (inject, no draft).
-
-    `then` is traced (`lax.switch`), so one executable per bucket serves all three and only the
-    chosen branch runs. Returns (drafter cache, next tree, curve [b, n_buckets], pending_len)."""
-    n_buckets = len(buckets)
-
-    def hold(_):
-        return state.drafter_cache, root_tree(root, state.tree), jnp.zeros((root.shape[0], n_buckets)), pending_len
-
-    def draft(_):
+    """What a step does after committing (`then` is static: each variant is its own executable, so
+    a step that holds never touches the drafter cache): HOLD buffers the features (the next step is
+    a root step), DRAFT drafts the next tree (injecting every buffered feature first), FLUSH injects
+    the buffer without drafting. Returns (drafter cache, next tree, curve [b, n_buckets], pending_len)."""
+    no_curve = jnp.zeros((root.shape[0], len(buckets)), jnp.float32)
+    if then == HOLD:
+        return state.drafter_cache, root_tree(root, state.tree), no_curve, pending_len
+    if then == DRAFT:
         tree, curve, dcache = _next_tree(target, drafter, state.drafter_cache, pending, ctx_start, pending_len, root,
                                          draft_vocab, block_size=block_size, mask_token_id=mask_token_id,
-                                         proposal=proposal,
-                                         buckets=buckets, top_k=top_k)
+                                         proposal=proposal, buckets=buckets, top_k=top_k)
         return dcache, tree, curve, jnp.zeros_like(pending_len)
-
-    def flush(_):
-        dcache = (drafter.inject(pending, ctx_start, state.drafter_cache, target.embed_tokens.weight.dtype)
-                  if drafter is not None
-                  else state.drafter_cache)
-        return dcache, root_tree(root, state.tree), jnp.zeros((root.shape[0], n_buckets)), jnp.zeros_like(pending_len)
-
-    return jax.lax.switch(then, (hold, draft, flush), None)
+    if then != FLUSH:
+        raise ValueError(f"then must be HOLD (0), DRAFT (1) or FLUSH (2), got {then!r}")
+    dcache = state.drafter_cache
+    if drafter is not None:
+        dcache = drafter.inject(pending, ctx_start, dcache, target.embed_tokens.weight.dtype)
+    return dcache, root_tree(root, state.tree), no_curve, jnp.zeros_like(pending_len)
 
 
-@partial(jax.jit, static_argnames=_STATIC + ("bucket",), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=_STATIC + ("bucket", "then"), donate_argnames=("state",))
 def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
-              then: jax.Array | int = 1, draft_vocab: Optional[DraftVocab] = None, *, bucket: int, target_def,
+              draft_vocab: Optional[DraftVocab] = None, *, bucket: int, then: int = 1, target_def,
               drafter_def, sampling: SamplingConfig,
               block_size: int, mask_token_id: int, tap_layers: tuple[int, ...], proposal: Optional[Proposal],
               buckets: tuple[int, ...], top_k: int) -> tuple[TreeState, StepOutput, jax.Array]:
@@ -151,7 +147,7 @@ def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, 
     n_ctx = jnp.where(active, accepted + 1, 0)
     pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len)  # [b, W, F]
     drafter_cache, next_tree, curve, pending_len = _then(
-        jnp.asarray(then, jnp.int32), target, drafter, state, pending, state.pending_len + n_ctx,
+        then, target, drafter, state, pending, state.pending_len + n_ctx,
         length - state.pending_len, bonus, draft_vocab, block_size=block_size, mask_token_id=mask_token_id,
         proposal=proposal,
         buckets=buckets, top_k=top_k)
@@ -159,9 +155,9 @@ def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, 
     return new_state, StepOutput(emitted, accepted + 1), curve
 
 
-@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+@partial(jax.jit, static_argnames=_STATIC + ("then",), donate_argnames=("state",))
 def root_step(target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
-              then: jax.Array | int = 0, draft_vocab: Optional[DraftVocab] = None, *, target_def, drafter_def,
+              draft_vocab: Optional[DraftVocab] = None, *, then: int = 0, target_def, drafter_def,
               sampling: SamplingConfig, block_size: int,
               mask_token_id: int, tap_layers: tuple[int, ...], proposal: Optional[Proposal],
               buckets: tuple[int, ...], top_k: int) -> tuple[TreeState, StepOutput, jax.Array]:
@@ -179,7 +175,7 @@ def root_step(target_state, drafter_state, state: TreeState, active: jax.Array, 
     n_new = active.astype(jnp.int32)
     pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len)
     drafter_cache, next_tree, curve, pending_len = _then(
-        jnp.asarray(then, jnp.int32), target, drafter, state, pending, state.pending_len + n_new,
+        then, target, drafter, state, pending, state.pending_len + n_new,
         length - state.pending_len, choice, draft_vocab, block_size=block_size, mask_token_id=mask_token_id,
         proposal=proposal,
         buckets=buckets, top_k=top_k)

@@ -49,12 +49,15 @@ def drive(target, drafter, prompts, n_steps, seed, sampling=SamplingConfig(), ca
             then = int(rng.choice([DRAFT, FLUSH]))
         else:
             then = int(rng.choice([HOLD, DRAFT, FLUSH] if held else [HOLD, DRAFT]))
-        if held:
-            state, res, _ = root_step(target.state, drafter.state, state, active, sub, then, **static)
+        # With a tree in hand the host may still take a root step (dropping the tree), as the engine
+        # does when drafting stops paying.
+        if held or (schedule is None and rng.random() < 0.3):
+            state, res, _ = root_step(target.state, drafter.state, state, active, sub, then=then, **static)
             kinds.append(("root", then))
         else:
             bucket = int(rng.choice(BUCKETS))
-            state, res, _ = tree_step(target.state, drafter.state, state, active, sub, then, bucket=bucket, **static)
+            state, res, _ = tree_step(target.state, drafter.state, state, active, sub, bucket=bucket, then=then,
+                                      **static)
             kinds.append((bucket, then))
         toks, counts = np.asarray(res.tokens), np.asarray(res.count)
         for i in range(b):
@@ -156,3 +159,51 @@ def test_draft_vocab_permutation_gives_the_same_trees(pair):
     assert set(toks[1:][toks[1:] >= 0]) <= set(range(76, 96))
     with pytest.raises(ValueError, match="distinct ids"):
         DraftVocab.from_ranking(target, [3, 3, 4], 3)
+
+
+class FixedLatency:
+    """A latency model with set step times and no online correction: AR 1.0, a root step that drafts
+    1.6, a tree step of b nodes 1.6 + 0.01 b (drafting costs 0.6 of an AR step, as on a small CPU)."""
+
+    def __init__(self, buckets):
+        self.buckets = buckets
+
+    def predict(self, b, c):
+        return {"ar": 1.0, "ar+draft": 1.6}.get(b) or 1.6 + 0.01 * b
+
+    def step_time(self, b, c, draft):
+        if b == 0:
+            return 1.6 if draft else 1.0
+        return self.predict(b, c) - (0.0 if draft else 0.6)
+
+    def observe(self, *a):
+        pass
+
+
+@pytest.mark.parametrize("kind", ["oracle", "useless"])
+def test_gate_drafts_for_an_oracle_and_stops_for_a_useless_drafter(converted, kind):
+    from bastion_jax.testing import greedy_continuation
+
+    _, target = converted("qwen3")
+    prompt, n = [5, 9, 11, 40, 41], 120
+    table = jnp.asarray(greedy_continuation(target, prompt, n + BLOCK + 1))
+    vocab = target.config.vocab_size
+
+    def propose(root, start, logits):
+        k = jnp.arange(1, logits.shape[1] + 1)
+        right = table[jnp.clip(start[:, None] + k[None], 0, table.shape[0] - 1)]  # [b, B-1]
+        token = right if kind == "oracle" else (right + 1) % vocab  # useless: confidently wrong
+        return jnp.full(logits.shape, -10.0) + 20.0 * jax.nn.one_hot(token, vocab)
+
+    engine = Engine(target, stop_ids=[-1], block_size=BLOCK, buckets=BUCKETS, top_k=2, proposal=propose,
+                    latency=FixedLatency(BUCKETS))
+    res = engine.generate([prompt], max_new_tokens=n, mode="bastion")
+    assert res.tokens[0] == np.asarray(table[len(prompt):len(prompt) + n]).tolist()
+    ar_steps = res.stats.buckets.get(0, 0)
+    if kind == "oracle":
+        assert ar_steps == 0 and res.stats.tau > 3.5
+    else:
+        # A few drafting steps teach the gate that the surrogate is never realised; from then on
+        # it takes AR steps, with sparse probes (intervals doubling up to 64).
+        assert ar_steps >= 0.85 * res.stats.steps
+        assert res.stats.steps - ar_steps <= 10

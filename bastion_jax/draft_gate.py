@@ -1,0 +1,105 @@
+"""Draft or not: whether the step being dispatched should also draft the tree for the step after it.
+
+Drafting for step t+1 is fused into the end of step t. A tree step always drafts; a root step (a
+plain AR step on the target) holds, drafts or flushes, chosen before it runs from what the host
+already knows: the surrogate curves of recent trees, how much of the surrogate was really
+accepted, and the latency model (which prices a step with and without its draft). When a tree is
+in hand but drafting no longer pays, the host takes a root step instead (that one draft is lost).
+
+With a the expected accepted drafts, the steady-state rates are
+
+    drafting:      R_d = max_b (rho * A_bar(b) + 1) / T(b, c, draft)
+    not drafting:  R_0 = 1 / T(root, c, hold)         (a plain AR step on the target)
+
+where A_bar is an EMA of the surrogate curves A(b) of recent trees and rho an EMA of realised
+accepted drafts over the surrogate of the bucket that was verified (drafters are often
+over-confident: rho < 1 corrects them). The gate drafts next iff R_d > R_0.
+
+While it does not draft it learns nothing new, so it probes: after `probe` consecutive AR steps it
+drafts once; the tree that comes back refreshes A_bar, and verifying it refreshes rho. A probe that
+does not pay doubles the interval (up to `max_probe`); one that pays resets it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from bastion_jax.tree_decoding import DRAFT, FLUSH, HOLD
+
+
+@dataclasses.dataclass
+class DraftGate:
+    """Host-side state of the draft-or-not rule (see the module docstring for the formula).
+
+    `step_time(b, context, draft)` is the latency model's prediction; b = 0 is a root (AR) step.
+    """
+
+    buckets: tuple[int, ...]
+    step_time: Callable[[int, int, bool], float]
+    pending_slots: int  # W of the feature buffer: the gate flushes before it would overflow
+    block_size: int
+    rate: float = 0.3  # EMA rate of A_bar and rho
+    min_probe: int = 4
+    max_probe: int = 64
+    rho: float = 1.0
+    a_bar: np.ndarray | None = None  # [n_buckets]
+    probe: int = 4
+    since_draft: int = 0
+    pending: int = 0  # buffered feature rows (max over rows)
+    drafted: int = 0  # how many steps drafted (statistics)
+    held: int = 0
+
+    def observe_tree(self, curve: np.ndarray) -> None:
+        """A fresh tree arrived: curve [n_buckets] = A(b) (mean over active rows)."""
+        curve = np.asarray(curve, np.float64)
+        self.a_bar = curve if self.a_bar is None else (1 - self.rate) * self.a_bar + self.rate * curve
+
+    def observe_verify(self, bucket: int, surrogate: float, accepted: float) -> None:
+        """A tree of `bucket` nodes with surrogate A(bucket) was verified and `accepted` drafts were
+        kept (means over active rows): update rho, the realised / predicted ratio."""
+        if surrogate > 1e-6:
+            r = float(np.clip(accepted / surrogate, 0.0, 2.0))
+            self.rho = (1 - self.rate) * self.rho + self.rate * r
+
+    def best(self, context: int) -> tuple[int, float]:
+        """(bucket, tokens/s) of the best drafting step under the current estimates."""
+        if self.a_bar is None:
+            return self.buckets[-1], float("inf")
+        rates = [(self.rho * a + 1.0) / self.step_time(b, context, True) for b, a in zip(self.buckets, self.a_bar)]
+        i = int(np.argmax(rates))
+        return self.buckets[i], float(rates[i])
+
+    def pays(self, context: int) -> bool:
+        """R_d > R_0: drafting beats plain AR steps at this context."""
+        return self.best(context)[1] > 1.0 / self.step_time(0, context, False)
+
+    def use_tree(self, context: int) -> bool:
+        """With a drafted tree in hand: verify it (a tree step, which drafts again) or not."""
+        return self.pays(context)
+
+    def root_then(self, context: int) -> int:
+        """`then` of a root step: DRAFT when drafting pays or a probe is due, FLUSH when the feature
+        buffer could not take another held step, else HOLD. Call `record` once the step returned."""
+        if self.pays(context):
+            self.probe = self.min_probe
+            return DRAFT
+        if self.since_draft + 1 >= self.probe:
+            self.probe = min(2 * self.probe, self.max_probe)
+            return DRAFT  # probe: a fresh tree tells whether the text became predictable
+        if self.pending + 2 > self.pending_slots:
+            return FLUSH  # the next held row would not fit: catch the drafter up without drafting
+        return HOLD
+
+    def record(self, then: int, committed: int) -> None:
+        """After a step (a tree step is a DRAFT): `committed` = most tokens any active row committed."""
+        if then == HOLD:
+            self.pending += committed
+            self.since_draft += 1
+            self.held += 1
+        else:
+            self.pending = 0
+            self.since_draft = 0 if then == DRAFT else self.since_draft + 1
+            self.drafted += then == DRAFT
