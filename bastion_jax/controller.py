@@ -2,7 +2,9 @@
 
 ar: no drafting; dflash: the drafter's top-1 chain; fixed:N: always bucket N; bastion: the bucket
 maximising estimated tokens per second, (A(b) + 1) / T_hat(b, c), where A(b) is the tree's expected
-accepted draft tokens (the surrogate) and T_hat the calibrated latency model.
+accepted draft tokens (the surrogate) and T_hat the calibrated latency model, plus plain AR steps
+when drafting does not pay (`draft_gate`); bastion-paper: the official implementation's per-node
+stopping rule with sizes in steps of 32 (`paper_rule`), always drafting, for comparison.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 import numpy as np
 
 from bastion_jax.latency import LatencyModel
+from bastion_jax.paper_rule import S_MIN, interpolated, paper_buckets, paper_tree_size
 
 DEFAULT_BUCKETS = (1, 4, 8, 16, 32, 64)
 
@@ -23,12 +26,12 @@ class PolicyError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    kind: str  # "ar" | "dflash" | "fixed" | "bastion"
+    kind: str  # "ar" | "dflash" | "fixed" | "bastion" | "bastion-paper"
     size: int = 0  # the bucket of fixed:N
 
     @classmethod
     def parse(cls, text: str) -> "Policy":
-        if text in ("ar", "dflash", "bastion"):
+        if text in ("ar", "dflash", "bastion", "bastion-paper"):
             return cls(text)
         if text.startswith("fixed:"):
             try:
@@ -38,11 +41,11 @@ class Policy:
             if n < 1:
                 raise PolicyError(f"bad policy {text!r}: N must be >= 1")
             return cls("fixed", n)
-        raise PolicyError(f"unknown mode {text!r} (choose ar, dflash, fixed:N or bastion)")
+        raise PolicyError(f"unknown mode {text!r} (choose ar, dflash, fixed:N, bastion or bastion-paper)")
 
     @property
     def uses_tree(self) -> bool:
-        return self.kind in ("fixed", "bastion")
+        return self.kind in ("fixed", "bastion", "bastion-paper")
 
     def __str__(self) -> str:
         return f"fixed:{self.size}" if self.kind == "fixed" else self.kind
@@ -65,17 +68,25 @@ class Controller:
         if policy.kind == "fixed" and policy.size not in buckets:
             raise PolicyError(f"unknown bucket {policy.size} for fixed:{policy.size} (compiled buckets: "
                               f"{', '.join(map(str, buckets))})")
-        if policy.kind == "bastion" and latency is None:
-            raise PolicyError("the bastion policy needs a latency model")
+        if policy.kind in ("bastion", "bastion-paper") and latency is None:
+            raise PolicyError(f"the {policy} policy needs a latency model")
+        if policy.kind == "bastion-paper":
+            try:
+                self.paper_buckets = paper_buckets(max(buckets))
+            except ValueError as e:
+                raise PolicyError(f"{e}; add one with --buckets") from None
         self.policy = policy
         self.buckets = buckets
         self.latency = latency
         self.histogram: collections.Counter[int] = collections.Counter()
 
-    def choose(self, curve: np.ndarray, context: int, active: np.ndarray) -> int:
-        """curve: [batch, n_buckets] surrogate A(b) per row; context: longest committed length."""
+    def choose(self, curve: np.ndarray, context: int, active: np.ndarray, path_probs: np.ndarray | None = None) -> int:
+        """curve: [batch, n_buckets] surrogate A(b) per row; context: longest committed length;
+        path_probs: [batch, n_nodes] per-node path probabilities (bastion-paper only)."""
         if self.policy.kind == "fixed":
             b = self.policy.size
+        elif self.policy.kind == "bastion-paper":
+            b = self.paper_size(path_probs[active].mean(axis=0) if active.any() else path_probs[0], context)
         else:
             rows = curve[active] if active.any() else curve
             expected = rows.sum(axis=0) + rows.shape[0]  # committed tokens per step over active rows
@@ -83,3 +94,11 @@ class Controller:
             b = self.buckets[int(np.argmax(expected / cost))]
         self.histogram[b] += 1
         return b
+
+    def paper_size(self, path_probs: np.ndarray, context: int) -> int:
+        """The official rule's size for one tree, on the compiled buckets' calibrated verify times
+        (a step's time minus the price of its draft, which is the rule's T_draft)."""
+        draft = max(self.latency.step_time(1, context, True) - self.latency.step_time(1, context, False), 0.0)
+        verify = interpolated(self.buckets, [self.latency.predict(b, context) - draft for b in self.buckets])
+        n = paper_tree_size(path_probs, verify, draft, s_max=max(self.buckets))
+        return max((b for b in self.paper_buckets if b <= max(n, S_MIN)), default=self.paper_buckets[0])

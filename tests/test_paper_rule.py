@@ -71,3 +71,21 @@ def test_small_trees_rounding_and_buckets():
         paper_buckets(16)
     f = interpolated((1, 4, 16), (1.0, 2.0, 5.0))
     assert f(4) == 2.0 and f(10) == pytest.approx(3.5) and f(20) == pytest.approx(6.0)
+
+
+def test_paper_mode_is_lossless_and_picks_multiples_of_32(converted):
+    from bastion_jax.checkpoint import random_drafter
+    from bastion_jax.engine import Engine, GenerationError
+    from bastion_jax.testing import tiny_drafter_config
+
+    _, target = converted("qwen3")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=6), seed=2)
+    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 8, 32, 64), top_k=8)
+    prompts = [[5, 9, 11, 40, 41], [7, 3, 20]]
+    ar = engine.generate(prompts, max_new_tokens=20, mode="ar").tokens
+    res = engine.generate(prompts, max_new_tokens=20, mode="bastion-paper")
+    assert res.tokens == ar
+    assert set(res.stats.buckets) <= {32, 64} and sum(res.stats.buckets.values()) == res.stats.steps
+    small = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 8, 16), top_k=8)
+    with pytest.raises(GenerationError, match="at least 32"):
+        small.generate(prompts, max_new_tokens=4, mode="bastion-paper")
