@@ -130,7 +130,10 @@ def _restore(path: Path, hf: dict[str, Any], kind: str, cfg, dtype: jnp.dtype | 
 def load_target(path: str | Path, dtype: jnp.dtype | None = None) -> Target:
     """Load a converted checkpoint dir, an HF safetensors dir, or a .gguf file.
 
-    `dtype` casts the parameters (None keeps the stored dtype; HF/GGUF default to float32).
+    `dtype` casts the parameters. None keeps the checkpoint's own dtype: the stored one of a
+    converted checkpoint; an HF dir's `torch_dtype`/`dtype` (else its safetensors' dtype); a GGUF
+    file's float type, or float32 when its tensors are quantised (they are dequantised to float32).
+    Nothing is upcast silently.
     """
     from checkpoints_convert import ConversionError, load_params, open_source
 
@@ -145,17 +148,20 @@ def load_target(path: str | Path, dtype: jnp.dtype | None = None) -> Target:
                 graphdef, state = _restore(path, hf, "target", cfg, dtype)
                 return Target(cfg, graphdef, state, tokenizer_dir=path, path=path)
         source = open_source(path)
-        cfg, params = load_params(source, dtype or jnp.float32)
+        dtype = dtype or source.native_dtype()
+        cfg, params = load_params(source, dtype)
     except (ConversionError, ConfigError) as e:
         raise CheckpointError(str(e)) from None
-    graphdef, state = _merge(cfg, dtype or jnp.float32, params)
+    graphdef, state = _merge(cfg, dtype, params)
     if path.is_file():
         return Target(cfg, graphdef, state, tokenizer_dir=path.parent, tokenizer_gguf=path.name, path=path)
     return Target(cfg, graphdef, state, tokenizer_dir=path, path=path)
 
 
 def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None = None) -> LoadedDrafter:
-    """Load a converted drafter or a z-lab DFlash checkpoint dir; checks it fits `target`."""
+    """Load a converted drafter or a z-lab DFlash checkpoint dir; checks it fits `target`. `dtype`
+    as in `load_target` (None: the checkpoint's own); `generate` passes the target's dtype on purpose,
+    since the drafter reads the target's features and shares its LM head."""
     from checkpoints_convert import ConversionError
     from checkpoints_convert.dflash import load_zlab_params
 
@@ -169,8 +175,11 @@ def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None
         if "bastion_jax" in hf:
             graphdef, state = _restore(path, hf, "drafter", cfg, dtype)
         else:
-            _, params = load_zlab_params(path, dtype or jnp.float32, target)
-            graphdef, state = _merge(cfg, dtype or jnp.float32, params)
+            from checkpoints_convert.hf import open_hf
+
+            dtype = dtype or open_hf(path).native_dtype()
+            _, params = load_zlab_params(path, dtype, target)
+            graphdef, state = _merge(cfg, dtype, params)
     except (ConversionError, ConfigError) as e:
         raise CheckpointError(str(e)) from None
     return LoadedDrafter(cfg, graphdef, state, path)

@@ -57,10 +57,12 @@ class Stats:
     compilations: int = 0  # by the engine during this request (warm-up)
     compilations_after_warmup: int = 0  # any XLA compilation inside the decode loop (must stay 0)
     buckets: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> times chosen
+    ended: dict[str, int] = dataclasses.field(default_factory=dict)  # why rows ended -> rows ("stop token", ...)
 
     @property
     def tokens_per_s(self) -> float:
-        """New tokens per second of wall time after compilation (prefill included)."""
+        """New tokens per second of the engine's own wall time after compilation (prefill included;
+        the time the caller spends between yielded steps, e.g. detokenising and printing, excluded)."""
         total = self.ttft_s + self.decode_s
         return self.new_tokens / total if total > 0 else 0.0
 
@@ -76,7 +78,13 @@ class Stats:
         return (f"new tokens {self.new_tokens} | {self.tokens_per_s:.1f} tok/s | tau {self.tau:.2f} | "
                 f"TTFT {self.ttft_s * 1e3:.0f} ms | steps {self.steps}{hist} | "
                 f"compile {self.compile_s:.1f}s ({self.compilations} at warm-up, "
-                f"{self.compilations_after_warmup} after)")
+                f"{self.compilations_after_warmup} after) | ended: {self.ended_summary()}")
+
+    def ended_summary(self) -> str:
+        """Why generation ended: "stop token" / "max new tokens" for one row, counts for a batch."""
+        if sum(self.ended.values()) == 1:
+            return next(iter(self.ended))
+        return ", ".join(f"{n} {why}" for why, n in sorted(self.ended.items())) or "-"
 
 
 @dataclasses.dataclass
@@ -85,14 +93,18 @@ class Result:
     stats: Stats
 
 
+STOP_TOKEN, MAX_NEW_TOKENS = "stop token", "max new tokens"  # the only two ways a row ends
+
+
 class _Rows:
-    """Host-side per-row bookkeeping: budget, stop ids, what each row has emitted."""
+    """Host-side per-row bookkeeping: budget, stop ids, what each row has emitted and why it ended."""
 
     def __init__(self, batch: int, budget: int, stop_ids: frozenset[int]):
         self.done = np.zeros(batch, bool)
         self.produced = np.zeros(batch, np.int64)
         self.budget = budget
         self.stop_ids = stop_ids
+        self.ended: list[str | None] = [None] * batch
 
     def take(self, i: int, tokens: Sequence[int]) -> list[int]:
         """Keep what row i may still emit: up to its budget, through its first stop id."""
@@ -104,6 +116,7 @@ class _Rows:
             self.produced[i] += 1
             if int(t) in self.stop_ids or self.produced[i] >= self.budget:
                 self.done[i] = True
+                self.ended[i] = STOP_TOKEN if int(t) in self.stop_ids else MAX_NEW_TOKENS
                 break
         return out
 
@@ -149,7 +162,16 @@ class Engine:
 
     @property
     def default_mode(self) -> str:
-        return "dflash" if self.block_size else "ar"
+        """The CLI's default: bastion whenever there is something to draft with, else ar."""
+        return "bastion" if self.block_size else "ar"
+
+    def slack(self, mode: str | Policy) -> int:
+        """Cache slots a step of `mode` may write past the committed length (the verified block or
+        tree, the drafter's buffered features): the cache keeps them free after the last token."""
+        kind = (mode if isinstance(mode, Policy) else Policy.parse(mode)).kind
+        if kind == "ar":
+            return 0
+        return (self.block_size or 0) if kind == "dflash" else max(max(self.buckets), self.block_size or 0)
 
     # -- compilation -------------------------------------------------------------------------
     def _executable(self, fn, key: tuple, args: tuple, static: dict):
@@ -286,21 +308,27 @@ class Engine:
 
     def cache_len_for(self, prompt_lens: Sequence[int], max_new_tokens: int, max_len: int | None,
                       slack: int = 0) -> int:
-        """Cache length: explicit `max_len`, else prompt + new tokens + slack rounded up to 256."""
+        """The KV cache length that holds the longest prompt + `max_new_tokens` + `slack` (the slots a
+        step writes past the committed length): `max_len` if given (an error if it is too small: an
+        answer is never cut short silently), else that sum rounded up to 256 and capped at the
+        model's positions (only speculative slots, never committed tokens, may run past them)."""
         longest = max(prompt_lens)
         limit = self.target.config.max_position_embeddings
+        need = longest + max_new_tokens + slack
         if max_len is None:
-            if longest + slack >= limit:
+            if longest + max_new_tokens > limit:
                 raise GenerationError(
-                    f"prompt of {longest} tokens does not fit the model's context of {limit} positions")
-            max_len = min(-(-(longest + max_new_tokens + slack) // 256) * 256, limit)
-        elif max_len > limit:
+                    f"the prompt ({longest} tokens) + {max_new_tokens} new tokens (--max-new-tokens) = "
+                    f"{longest + max_new_tokens} exceed the model's context of {limit} positions; lower "
+                    "--max-new-tokens or shorten the prompt")
+            return max(need, min(-(-need // 256) * 256, limit))
+        if max_len > limit:
             raise GenerationError(f"--max-len {max_len} exceeds the model's context of {limit} positions")
-        if longest + slack >= max_len:
+        if need > max_len:
             raise GenerationError(
-                f"prompt of {longest} tokens is longer than the cache ({max_len} slots"
-                + (f", {slack} reserved for verification" if slack else "")
-                + "); raise --max-len or shorten the prompt")
+                f"the KV cache of --max-len {max_len} slots cannot hold the prompt ({longest} tokens) + "
+                f"{max_new_tokens} new tokens (--max-new-tokens) + {slack} slots of draft/tree slack = {need}; "
+                "raise --max-len, lower --max-new-tokens, or leave --max-len out (sized to fit)")
         return max_len
 
     # -- generation --------------------------------------------------------------------------
@@ -310,7 +338,10 @@ class Engine:
         """Yield, after every step, the new tokens of each row (empty for finished rows).
 
         mode: "ar", "dflash" (top-1 chain), "fixed:N" (always verify an N-node tree) or "bastion"
-        (the controller picks the bucket each step); default dflash with a drafter, else ar.
+        (the controller picks the bucket each step); default bastion with a drafter, else ar.
+        Every row produces `max_new_tokens` tokens unless it emits a stop token first: the cache is
+        sized for that (with `max_len` too small the request is refused), never cut short. Timings in
+        `stats` exclude the time the caller holds a yielded step (detokenising, printing).
         """
         try:
             policy = Policy.parse(mode or self.default_mode)
@@ -335,7 +366,7 @@ class Engine:
         stats.mode = str(policy)
         batch = len(prompts)
         lens = np.array([len(p) for p in prompts], np.int32)
-        slack = {"ar": 0, "dflash": self.block_size or 0}.get(policy.kind, max(max(self.buckets), self.block_size or 0))
+        slack = self.slack(policy)
         cache_len = self.cache_len_for(lens.tolist(), max_new_tokens, max_len, slack)
         bucket = prefill_bucket(int(lens.max()), cache_len)
         before = self.compilations
@@ -355,9 +386,9 @@ class Engine:
         rng, sub = jax.random.split(rng)
         tcache = self.new_cache(batch, cache_len)
         dstate = self.drafter.state if self.drafter else None
-        # Every step writes at most `slack` slots past the committed length, so the budget below
-        # keeps all writes inside the cache.
-        rows = _Rows(batch, min(max_new_tokens, cache_len - int(lens.max()) - slack + 1), self.stop_ids)
+        # Every step writes at most `slack` slots past the committed length and cache_len_for made
+        # room for all of them after max_new_tokens, so every row may produce its full budget.
+        rows = _Rows(batch, max_new_tokens, self.stop_ids)
         prompt_args = (jnp.asarray(padded), jnp.asarray(lens), sub)
         if policy.kind == "ar":
             nxt, tcache = prefill(self.target.state, tcache, *prompt_args)
@@ -372,10 +403,13 @@ class Engine:
         stats.ttft_s += time.perf_counter() - t0
         stats.prompt_tokens += int(lens.sum())
         t1 = time.perf_counter()
+        held = 0.0  # seconds the caller held our yielded steps: not the engine's time
 
         emitted = [rows.take(i, [first[i]]) for i in range(batch)]
         stats.new_tokens += sum(map(len, emitted))
+        paused = time.perf_counter()
         yield emitted
+        held += time.perf_counter() - paused
         lengths = lens.copy()
         cur = first
         compiled_before_loop = compile_counter.compilations()
@@ -405,8 +439,12 @@ class Engine:
             stats.committed += int(counts[active].sum())
             emitted = [rows.take(i, new[i]) for i in range(batch)]
             stats.new_tokens += sum(map(len, emitted))
+            paused = time.perf_counter()
             yield emitted
-        stats.decode_s += time.perf_counter() - t1
+            held += time.perf_counter() - paused
+        stats.decode_s += time.perf_counter() - t1 - held
+        for why in rows.ended:
+            stats.ended[why] = stats.ended.get(why, 0) + 1
         stats.compilations += self.compilations - before
         stats.compilations_after_warmup += compile_counter.compilations() - compiled_before_loop
         if controller is not None:

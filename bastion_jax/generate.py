@@ -10,6 +10,8 @@ import time
 from bastion_jax.cli import fail, stderr_log
 
 DEFAULT_PROMPT_HELP = "With no --target, the embedded SmolLM2-135M-Instruct is used."
+DEFAULT_BLOCK_SIZE = 16  # of a --drafter random
+WARMUP_TOKENS = 8  # new tokens of each untimed --compare-ar warm-up run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,59 +33,147 @@ def build_parser() -> argparse.ArgumentParser:
                    "tree size maximising estimated tokens/s). Default: bastion with a drafter, else ar")
     p.add_argument("--buckets", help="comma-separated tree sizes (root included) compiled at warm-up "
                    "(default 1,4,8,16,32,64; fixed:N adds N)")
-    p.add_argument("--top-k", dest="tree_top_k", type=int, default=128,
-                   help="drafter candidates per block position when building trees (default 128, capped at the vocab)")
+    p.add_argument("--tree-top-k", type=int, default=128,
+                   help="tree width: drafter candidates per block position when building trees (default 128, "
+                        "capped at the vocab)")
     p.add_argument("--compare-ar", action="store_true", help="also run plain AR on the same prompts and report "
-                   "the speedup measured in this run (and whether the texts are identical)")
-    p.add_argument("--no-calibrate", action="store_true", help="bastion: skip the warm-up latency profile "
-                   "(use the roofline, corrected online)")
-    p.add_argument("--block-size", type=int, default=16, help="block size of a --drafter random (default 16)")
+                   "the speedup measured in this run (both modes warmed up first and timed alike) and, at "
+                   "temperature 0, whether the texts are identical")
+    p.add_argument("--no-calibrate", action="store_true", help="bastion: do not profile at warm-up (a saved "
+                   "calibration for this exact setting is still used; else the roofline, corrected online); "
+                   "never writes a calibration")
+    p.add_argument("--block-size", type=int, help=f"block size of a --drafter random (default {DEFAULT_BLOCK_SIZE}; "
+                   "a loaded drafter has its own)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="maximum new tokens per prompt (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--sample-top-k", "--sampling-top-k", dest="top_k", type=int, default=0,
-                   help="sample only from the k most likely tokens (0 = off)")
+    p.add_argument("--top-k", dest="top_k", type=int, default=0,
+                   help="sampling: keep only the k most likely tokens (0 = off)")
+    p.add_argument("--sample-top-k", "--sampling-top-k", dest="top_k", type=int, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the old spelling of --top-k
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     p.add_argument("--seed", type=int, default=0, help="RNG seed for sampling (default 0)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template; use the raw prompt")
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="compute dtype (auto: bfloat16 on GPU/TPU, float32 on CPU)")
-    p.add_argument("--max-len", type=int, help="KV cache length in tokens (default: prompt + max new tokens, "
-                   "rounded up to 256)")
+                   help="compute dtype (auto: the checkpoint's own dtype; quantised GGUF tensors are "
+                        "dequantised to float32). The drafter computes in the target's dtype")
+    p.add_argument("--max-len", type=int, help="KV cache length in tokens (default: prompt + max new tokens + the "
+                   "tree's slack, rounded up to 256); too small for them is an error, never a shorter answer")
     p.add_argument("--quiet", action="store_true", help="print only the generated text (no progress or summary)")
     return p
 
 
 def resolve_dtype(name: str):
-    import jax
+    """A --dtype value: "auto" is None (the loaders then keep the checkpoint's own dtype)."""
     import jax.numpy as jnp
 
-    if name == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+    return None if name == "auto" else jnp.dtype(name)
 
 
-def calibration_path(engine, model_name: str):
+def dtype_note(flag: str) -> str:
+    return "the checkpoint's dtype" if flag == "auto" else "--dtype"
+
+
+# -- latency calibration ---------------------------------------------------------------------------
+
+def calibration_model(target, drafter) -> str:
+    """The models part of the calibration key: the target's and the drafter's files as they resolve on
+    disk (`model_identity`), so `generate` and `profile --install` agree however a path is spelled."""
+    from bastion_jax.latency import model_identity
+
+    t = model_identity(target.path) if target.path is not None else "in-memory target"
+    if drafter is None:
+        return f"{t}|none"
+    return f"{t}|{model_identity(drafter.path) if drafter.path is not None else 'random'}"
+
+
+def calibration_path(engine, model: str):
     from bastion_jax.default_model import cache_root
 
-    return cache_root() / "calibration" / f"{engine.latency.key(model_name, engine.target.dtype.name)}.json"
+    key = engine.latency.key(model, engine.target.dtype.name, engine.top_k)
+    return cache_root() / "calibration" / f"{key}.json"
 
 
-def load_or_calibrate(engine, model_name: str, cache_len: int, sampling, skip: bool, log) -> None:
-    """Reuse a saved calibration for this device/model/dtype/buckets, else profile once at warm-up."""
-    import time
-
-    path = calibration_path(engine, model_name)
-    if engine.latency.load(path, model_name, engine.target.dtype.name):
+def load_or_calibrate(engine, model: str, cache_len: int, sampling, skip: bool, log) -> str:
+    """Reuse the calibration saved for exactly this setting, else profile now (unless `skip`).
+    Only a run that profiled writes the file, right after the fit: online (EMA) corrections made
+    while generating never reach it. Returns "reused", "profiled" or "skipped"."""
+    path = calibration_path(engine, model)
+    dtype = engine.target.dtype.name
+    if engine.latency.load(path, model, dtype, engine.top_k):
         log(f"latency calibration: reused {path}")
-        return
+        return "reused"
     if skip:
-        log("latency calibration: skipped (roofline + online correction)")
-        return
+        log("latency calibration: skipped (roofline + online correction; nothing saved)")
+        return "skipped"
     t0 = time.perf_counter()
     samples = engine.calibrate(cache_len, sampling)
+    engine.latency.save(path, model, dtype, engine.top_k)
     log(f"latency calibration: profiled {len(samples)} step timings over buckets "
         f"{','.join(map(str, engine.buckets))} in {time.perf_counter() - t0:.1f}s (saved to {path})")
+    return "profiled"
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+def load_models(args, log):
+    """(target path, target, drafter or None), as the flags ask; logs what was loaded and in which dtype."""
+    from bastion_jax.checkpoint import load_drafter, load_target, random_drafter
+    from bastion_jax.default_model import default_target_dir
+
+    if args.block_size is not None and args.drafter != "random":
+        raise ValueError("--block-size only applies to --drafter random (a loaded drafter has its own block size)")
+    t0 = time.perf_counter()
+    path = args.target or default_target_dir(verbose=not args.quiet)
+    target = load_target(path, resolve_dtype(args.dtype))
+    log(f"loaded {path} ({target.config.model_type}, {target.config.param_count() / 1e6:.0f}M params, "
+        f"{target.dtype.name}: {dtype_note(args.dtype)}) in {time.perf_counter() - t0:.1f}s")
+    drafter_arg = args.drafter
+    if drafter_arg is None and args.target is None:
+        from bastion_jax.default_model import default_drafter_dir
+
+        shipped = default_drafter_dir()
+        drafter_arg = str(shipped) if shipped else None
+    if drafter_arg in (None, "none"):
+        return path, target, None
+    if drafter_arg == "random":
+        from bastion_jax.testing import tiny_drafter_config
+
+        block = args.block_size or DEFAULT_BLOCK_SIZE
+        drafter = random_drafter(tiny_drafter_config(target.config, block_size=block), target.dtype)
+        log(f"drafter: tiny random (block size {block}, {target.dtype.name} like the target; expect few accepted "
+            "tokens)")
+        return path, target, drafter
+    drafter = load_drafter(drafter_arg, target.config, target.dtype)  # computes in the target's dtype
+    log(f"drafter: {drafter_arg} ({drafter.config.num_hidden_layers} layers, block size "
+        f"{drafter.config.block_size}, computing in {target.dtype.name} like the target)")
+    return path, target, drafter
+
+
+def run(engine, ids: list[list[int]], gen: dict, on_step=None):
+    """(new tokens per prompt, Stats) of one `Engine.stream`; `on_step` sees each step's tokens.
+    The engine's timings exclude the time spent in `on_step`."""
+    from bastion_jax.engine import Stats
+
+    stats = Stats()
+    outs: list[list[int]] = [[] for _ in ids]
+    for step in engine.stream(ids, **gen, stats=stats):
+        for i, toks in enumerate(step):
+            outs[i].extend(toks)
+        if on_step is not None:
+            on_step(step)
+    return outs, stats
+
+
+def compare_line(stats, ar_stats, same: bool, temperature: float) -> str:
+    speedup = stats.tokens_per_s / ar_stats.tokens_per_s if ar_stats.tokens_per_s else float("nan")
+    if temperature == 0:
+        verdict = f"text identical to AR: {'yes' if same else 'no'}"
+    else:  # each mode draws its own random samples: different texts are expected, not a fault
+        verdict = (f"texts not compared (temperature {temperature:g}: each run draws its own samples; both "
+                   "follow the target's distribution)")
+    return (f"[compare] {stats.mode} vs ar: speedup {speedup:.2f}x (tokens/s ratio, same run, both warmed up, "
+            f"same cache, printing excluded) | {verdict}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,37 +188,16 @@ def main(argv: list[str] | None = None) -> int:
 
     log = stderr_log(args.quiet)
 
-    from bastion_jax.checkpoint import CheckpointError, load_drafter, load_target, random_drafter
-    from bastion_jax.default_model import DefaultModelError, default_target_dir
-    from bastion_jax.engine import Engine, GenerationError, Stats
+    from bastion_jax.checkpoint import CheckpointError
+    from bastion_jax.default_model import DefaultModelError
+    from bastion_jax.engine import Engine, GenerationError
     from bastion_jax.sampling import SamplingConfig
     from bastion_jax.text import IncrementalDetokenizer, encode_prompt, load_tokenizer
 
     try:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-        t0 = time.perf_counter()
-        path = args.target or default_target_dir(verbose=not args.quiet)
-        target = load_target(path, resolve_dtype(args.dtype))
+        path, target, drafter = load_models(args, log)
         tokenizer = load_tokenizer(target)
-        log(f"loaded {path} ({target.config.model_type}, {target.config.param_count() / 1e6:.0f}M params, "
-            f"{target.dtype.name}) in {time.perf_counter() - t0:.1f}s")
-        drafter = None
-        if args.drafter is None and args.target is None:
-            from bastion_jax.default_model import default_drafter_dir
-
-            shipped = default_drafter_dir()
-            args.drafter = str(shipped) if shipped else None
-        if args.drafter == "none":
-            args.drafter = None
-        elif args.drafter == "random":
-            from bastion_jax.testing import tiny_drafter_config
-
-            drafter = random_drafter(tiny_drafter_config(target.config, block_size=args.block_size), target.dtype)
-            log(f"drafter: tiny random (block size {args.block_size}; expect few accepted tokens)")
-        elif args.drafter:
-            drafter = load_drafter(args.drafter, target.config, target.dtype)
-            log(f"drafter: {args.drafter} ({drafter.config.num_hidden_layers} layers, block size "
-                f"{drafter.config.block_size})")
         from bastion_jax.controller import DEFAULT_BUCKETS, Policy, parse_buckets
 
         mode = args.mode or ("bastion" if drafter else "ar")
@@ -140,22 +209,30 @@ def main(argv: list[str] | None = None) -> int:
             buckets = tuple(sorted(set(buckets) | {policy.size}))
         engine = Engine(target, tokenizer, drafter=drafter, buckets=buckets, top_k=args.tree_top_k)
         ids = [encode_prompt(tokenizer, p, chat=not args.no_chat, system=args.system) for p in prompts]
-        model_name = f"{path}|{args.drafter}"
-        if policy.kind == "bastion" and len(ids) == 1:
-            cache_len = engine.cache_len_for([len(ids[0])], args.max_new_tokens, args.max_len,
-                                             max(max(engine.buckets), engine.block_size))
-            load_or_calibrate(engine, model_name, cache_len, sampling, args.no_calibrate, log)
-        stats = Stats()
-        gen = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-                   max_len=args.max_len, stats=stats, mode=mode)
-        outs: list[list[int]] = [[] for _ in ids]
-        detok = IncrementalDetokenizer(tokenizer)
-        for step in engine.stream(ids, **gen):
-            for i, toks in enumerate(step):
-                outs[i].extend(toks)
+        # One cache length for every run of this request (the compared AR run too: same attention cost).
+        cache_len = engine.cache_len_for([len(x) for x in ids], args.max_new_tokens, args.max_len,
+                                         engine.slack(policy))
+        if policy.kind == "bastion":
             if len(ids) == 1:
-                sys.stdout.write(detok.push(step[0]))
-                sys.stdout.flush()
+                load_or_calibrate(engine, calibration_model(target, drafter), cache_len, sampling,
+                                  args.no_calibrate, log)
+            else:  # the profile times batch-1 steps: not this run's cost, and it is never saved from here
+                log(f"latency calibration: not used for a batch of {len(ids)} prompts (roofline + online "
+                    "correction)")
+        gen = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, max_len=cache_len)
+        if args.compare_ar:
+            # Both modes compile and run once on these prompts before either is timed.
+            t0 = time.perf_counter()
+            for m in dict.fromkeys((mode, "ar")):
+                run(engine, ids, dict(gen, mode=m, max_new_tokens=min(args.max_new_tokens, WARMUP_TOKENS)))
+            log(f"[compare] warm-up: {mode} and ar compiled and run once (untimed, {time.perf_counter() - t0:.1f}s)")
+        detok = IncrementalDetokenizer(tokenizer)
+
+        def show(step):
+            sys.stdout.write(detok.push(step[0]))
+            sys.stdout.flush()
+
+        outs, stats = run(engine, ids, dict(gen, mode=mode), show if len(ids) == 1 else None)
         if len(ids) == 1:
             sys.stdout.write(detok.flush() + "\n")
         else:
@@ -163,20 +240,11 @@ def main(argv: list[str] | None = None) -> int:
                 text = tokenizer.decode(o, skip_special_tokens=True)
                 print(json.dumps({"prompt": p, "completion": text}, ensure_ascii=False))
         sys.stdout.flush()
-        if policy.kind == "bastion":
-            engine.latency.save(calibration_path(engine, model_name), model_name, target.dtype.name)
         log(f"[{stats.mode}] prompt tokens {stats.prompt_tokens} | {stats.summary()}")
         if args.compare_ar:
-            ar_stats = Stats()
-            ar_out: list[list[int]] = [[] for _ in ids]
-            for step in engine.stream(ids, **dict(gen, stats=ar_stats, mode="ar")):
-                for i, toks in enumerate(step):
-                    ar_out[i].extend(toks)
+            ar_out, ar_stats = run(engine, ids, dict(gen, mode="ar"))
             log(f"[ar] prompt tokens {ar_stats.prompt_tokens} | {ar_stats.summary()}")
-            same = ar_out == outs
-            speedup = stats.tokens_per_s / ar_stats.tokens_per_s if ar_stats.tokens_per_s else float("nan")
-            log(f"[compare] {stats.mode} vs ar: speedup {speedup:.2f}x (tokens/s ratio, same run) | "
-                f"text identical to AR: {'yes' if same else 'no'}")
+            log(compare_line(stats, ar_stats, ar_out == outs, args.temperature))
     except (CheckpointError, DefaultModelError, GenerationError, ValueError) as e:
         return fail(e)
     return 0

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Iterable
@@ -193,20 +194,29 @@ class LatencyModel:
             self.ema[b] = r if b not in self.ema else (1 - self.ema_rate) * self.ema[b] + self.ema_rate * r
 
     # -- persistence -----------------------------------------------------------------------
-    def key(self, model_name: str, dtype: str) -> str:
-        ident = json.dumps([self.peaks.name, model_name, dtype, list(self.buckets),
-                            dataclasses.asdict(self.target), self.drafter and dataclasses.asdict(self.drafter)])
+    # A saved calibration is only valid for the exact setting it was measured in, so the key hashes
+    # everything a step's time depends on: the device, the models (their files, not the spelling of
+    # their paths: see `model_identity`), the dtype, the compiled buckets and the tree width. Only a
+    # fresh offline fit is ever saved: online EMA corrections describe one run, not the setting.
+    def key(self, model: str, dtype: str, tree_top_k: int) -> str:
+        ident = json.dumps([self.peaks.name, device_kind(), model, dtype, list(self.buckets), int(tree_top_k),
+                            self.block_size, dataclasses.asdict(self.target),
+                            self.drafter and dataclasses.asdict(self.drafter)])
         return hashlib.sha1(ident.encode()).hexdigest()[:16]
 
-    def to_json(self, model_name: str, dtype: str) -> dict:
-        return {"device": self.peaks.name, "model": model_name, "dtype": dtype, "buckets": list(self.buckets),
-                "key": self.key(model_name, dtype), "peaks": dataclasses.asdict(self.peaks),
-                "calibration": {str(b): {"alpha": self.alpha.get(b, 1.0), "beta": self.beta.get(b, 0.0),
-                                         "ema": self.ema.get(b, 1.0)} for b in self.buckets}}
+    def to_json(self, model: str, dtype: str, tree_top_k: int) -> dict:
+        if self.ema:
+            raise ValueError("refusing to save a latency model with online (EMA) corrections: only a fresh "
+                             "offline calibration is saved")
+        return {"device": self.peaks.name, "device_kind": device_kind(), "model": model, "dtype": dtype,
+                "buckets": list(self.buckets), "tree_top_k": int(tree_top_k),
+                "key": self.key(model, dtype, tree_top_k), "peaks": dataclasses.asdict(self.peaks),
+                "calibration": {str(b): {"alpha": self.alpha.get(b, 1.0), "beta": self.beta.get(b, 0.0)}
+                                for b in [*self.buckets, *(v for v in self.alpha if isinstance(v, str))]}}
 
-    def load_json(self, data: dict, model_name: str, dtype: str) -> bool:
-        """Adopt a saved calibration if it was made for this device/model/dtype/bucket set."""
-        if data.get("key") != self.key(model_name, dtype):
+    def load_json(self, data: dict, model: str, dtype: str, tree_top_k: int) -> bool:
+        """Adopt a saved calibration if it was made for this device/models/dtype/buckets/tree width."""
+        if data.get("key") != self.key(model, dtype, tree_top_k):
             return False
         peaks = data.get("peaks")
         if isinstance(peaks, dict) and peaks.get("name") == self.peaks.name:
@@ -215,15 +225,42 @@ class LatencyModel:
             self.peaks = DevicePeaks(peaks["name"], float(peaks["flops"]), float(peaks["bandwidth"]),
                                      str(peaks.get("source", "datasheet")))
         for b, v in data.get("calibration", {}).items():
-            self.alpha[int(b)], self.beta[int(b)], self.ema[int(b)] = v["alpha"], v["beta"], v["ema"]
+            b = int(b) if b.isdigit() else b  # a bucket, or a root-step variant ("ar", "ar+draft")
+            self.alpha[b], self.beta[b] = float(v["alpha"]), float(v["beta"])
+        self.ema.clear()  # a loaded calibration starts uncorrected, as the fit that wrote it
         return True
 
-    def save(self, path: Path, model_name: str, dtype: str) -> None:
+    def save(self, path: Path, model: str, dtype: str, tree_top_k: int) -> None:
+        """Write the offline fit (atomically: a reader never sees half a file)."""
+        data = json.dumps(self.to_json(model, dtype, tree_top_k), indent=2)
+        path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(model_name, dtype), indent=2))
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(data)
+        tmp.replace(path)
 
-    def load(self, path: Path, model_name: str, dtype: str) -> bool:
+    def load(self, path: Path, model: str, dtype: str, tree_top_k: int) -> bool:
         try:
-            return self.load_json(json.loads(Path(path).read_text()), model_name, dtype)
+            return self.load_json(json.loads(Path(path).read_text()), model, dtype, tree_top_k)
         except (OSError, ValueError, KeyError, TypeError):
             return False
+
+
+def device_kind() -> str:
+    """The accelerator's own name (e.g. "NVIDIA H100 80GB HBM3", "cpu"): finer than the peaks' table key."""
+    import jax
+
+    return str(jax.devices()[0].device_kind)
+
+
+def model_identity(path: str | Path) -> str:
+    """Who a model on disk is, whatever the spelling of its path: the resolved absolute path plus a
+    hash of (name, size, mtime) of every file under it. Editing, replacing or re-converting the
+    checkpoint changes the identity, so a calibration measured for the old files is not reused."""
+    root = Path(path).expanduser().resolve()
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    h = hashlib.sha1()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.relative_to(root) if f != root else f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return f"{root}#{h.hexdigest()[:16]}"

@@ -347,13 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="drafter block size (--arch default: the preset's; random "
                    "drafter default 16)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: bfloat16 on GPU/TPU, float32 on CPU")
+                   help="auto: --target's own dtype (as `generate`); --arch: bfloat16 on GPU/TPU, float32 on CPU")
     p.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)),
                    help="tree sizes to time (default: the engine's, so the calibration fits `generate`)")
     p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)),
                    help="committed context lengths (default 128,512,2048)")
     p.add_argument("--max-len", type=int, help="KV cache length (default: longest context + slack, rounded to 256)")
-    p.add_argument("--top-k", type=int, default=128, help="drafter candidates per position (default 128)")
+    p.add_argument("--tree-top-k", type=int, default=128, help="tree width: drafter candidates per position "
+                   "(default 128, as `generate`; part of the calibration key)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per cell (median; default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
     p.add_argument("--peaks", default="measure", choices=["measure", "datasheet"],
@@ -363,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="profiles", help="where to write the files (default ./profiles)")
     p.add_argument("--name", help="file name stem (default: <arch or target>-<device>-<dtype>)")
     p.add_argument("--install", action="store_true", help="also save the calibration where `generate` looks "
-                   "for it (~/.cache/bastion_jax/calibration/<key>.json)")
+                   "for it (~/.cache/bastion_jax/calibration/<key>.json; the key covers the device, the target and "
+                   "drafter files, dtype, buckets and tree width)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
@@ -375,7 +377,7 @@ class Setup:
     """Everything `main` resolved from the flags, before timing."""
 
     engine: object
-    model_name: str  # the calibration key's model name (as `generate` spells it for --target)
+    model_name: str  # the calibration key's models part (`generate.calibration_model` for --target)
     label: str  # arch or target name, for titles and file names
     contexts: tuple[int, ...]
     cache_len: int
@@ -386,7 +388,7 @@ def setup(args, log=lambda msg: None) -> Setup:
     roofline peaks the flags ask for."""
     import jax.numpy as jnp
 
-    from bastion_jax.generate import resolve_dtype
+    from bastion_jax.generate import calibration_model, resolve_dtype
     from bastion_jax.latency import DevicePeaks
 
     if bool(args.arch) == bool(args.target):
@@ -397,8 +399,8 @@ def setup(args, log=lambda msg: None) -> Setup:
         raise ProfileError("--layers/--drafter-layers only apply to --arch")
     if args.reps < 1 or args.warmup < 0:
         raise ProfileError(f"--reps must be >= 1 and --warmup >= 0 (got {args.reps}, {args.warmup})")
-    if args.top_k < 1:
-        raise ProfileError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.tree_top_k < 1:
+        raise ProfileError(f"--tree-top-k must be >= 1, got {args.tree_top_k}")
     try:
         buckets = parse_buckets(args.buckets)
     except PolicyError as e:
@@ -409,8 +411,12 @@ def setup(args, log=lambda msg: None) -> Setup:
     from bastion_jax.engine import Engine
 
     if args.arch:
+        import jax
+
         from bastion_jax.presets import preset_configs, random_models
 
+        if dtype is None:  # random weights have no dtype of their own
+            dtype = jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
         tcfg, dcfg = preset_configs(args.arch, args.layers, args.drafter_layers, args.block_size)
         cache_len = plan_cache_len(contexts, buckets, dcfg.block_size, tcfg.max_position_embeddings, args.max_len)
         log(f"building {args.arch} ({tcfg.num_hidden_layers} layers, {tcfg.param_count() / 1e6:.0f}M params) + "
@@ -432,8 +438,8 @@ def setup(args, log=lambda msg: None) -> Setup:
         cache_len = plan_cache_len(contexts, buckets, drafter.config.block_size,
                                    target.config.max_position_embeddings, args.max_len)
         label = Path(args.target).name.split(".")[0] or "target"
-        model_name = f"{args.target}|{drafter_arg}"  # generate.py's spelling: same --target/--drafter strings
-    engine = Engine(target, None, drafter=drafter, stop_ids=[], buckets=buckets, top_k=args.top_k)
+        model_name = calibration_model(target, drafter)  # what `generate` computes for the same pair
+    engine = Engine(target, None, drafter=drafter, stop_ids=[], buckets=buckets, top_k=args.tree_top_k)
     if args.peaks == "measure":
         copy_bytes = args.copy_mib << 20 if args.copy_mib else None
         log("measuring copy bandwidth and matmul rate")
@@ -493,13 +499,13 @@ def main(argv: list[str] | None = None) -> int:
         dtype = engine.target.dtype.name
         meta = device_meta(engine, s.label, s.model_name, args.reps, args.warmup)
         name = args.name or f"{s.label}-{engine.latency.peaks.name}-{dtype}"
-        calibration = engine.latency.to_json(s.model_name, dtype)
+        calibration = engine.latency.to_json(s.model_name, dtype, engine.top_k)
         paths = write_outputs(Path(args.out_dir), name, meta, prof, calibration, not args.no_plot)
         from bastion_jax.generate import calibration_path
 
         installed = calibration_path(engine, s.model_name)
         if args.install:
-            engine.latency.save(installed, s.model_name, dtype)
+            engine.latency.save(installed, s.model_name, dtype, engine.top_k)
     except (ProfileError, CheckpointError, ConfigError, GenerationError, PolicyError, ValueError) as e:
         return fail(e)
     if not args.quiet:
@@ -510,7 +516,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"controller calibration path: {installed} ({how})")
         if args.target:
             print(f"used by: python -m bastion_jax.generate --target {args.target} --drafter "
-                  f"{args.drafter or 'random'} --buckets {','.join(map(str, engine.buckets))} --dtype {args.dtype} ...")
+                  f"{args.drafter or 'random'} --buckets {','.join(map(str, engine.buckets))} --dtype {args.dtype} "
+                  f"--tree-top-k {engine.top_k}"
+                  + (f" --block-size {engine.block_size}" if (args.drafter or "random") == "random" else "") + " ...")
     return 0
 
 

@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--target", help="target checkpoint (converted dir, HF dir or .gguf; default: the embedded "
                         "SmolLM2-135M-Instruct)")
     common.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="target compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
+                        help="target compute dtype (auto: the checkpoint's own dtype; float32 for a quantised GGUF)")
     common.add_argument("--seed", type=int, default=0)
     common.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -169,13 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     from bastion_jax.checkpoint import CheckpointError, load_target
     from bastion_jax.config import ConfigError
     from bastion_jax.default_model import DefaultModelError, default_target_dir
-    from bastion_jax.generate import resolve_dtype
+    from bastion_jax.generate import dtype_note, resolve_dtype
     from bastion_jax.training.data import DataError
 
     try:
         if args.command == "pack":
             return run_pack(args, log)
-        target = load_target(args.target or default_target_dir(verbose=not args.quiet), resolve_dtype(args.dtype))
+        path = args.target or default_target_dir(verbose=not args.quiet)
+        target = load_target(path, resolve_dtype(args.dtype))
+        log(f"loaded {path} ({target.dtype.name}: {dtype_note(args.dtype)})")
         (run_data if args.command == "data" else run_train)(args, target, log)
     except (CheckpointError, ConfigError, DataError, DefaultModelError, ValueError) as e:
         return fail(e)

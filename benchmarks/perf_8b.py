@@ -49,11 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-layers", type=int)
     p.add_argument("--block-size", type=int)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: bfloat16 on GPU, float32 on CPU")
+                   help="auto: --target's own dtype; --arch: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--buckets", default="1,16,64,256")
     p.add_argument("--contexts", default="1024,2048,4096")
     p.add_argument("--max-len", type=int)
-    p.add_argument("--top-k", type=int, default=128)
+    p.add_argument("--tree-top-k", type=int, default=128, help="tree width (drafter candidates per position)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--copy-mib", type=int)

@@ -61,12 +61,14 @@ def main(argv: list[str] | None = None) -> int:
                    "target, else random)")
     p.add_argument("--modes", help="comma-separated policies to run (default: ar, dflash, the fixed sweep, bastion); "
                    "ar always runs: it is the reference for identity and ratios")
-    p.add_argument("--block-size", type=int, default=16, help="block size of a random drafter")
+    p.add_argument("--block-size", type=int, help="block size of a --drafter random (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--buckets", default="1,4,8,16,32,64")
     p.add_argument("--fixed", default="4,16,64", help="fixed:N sweep sizes (must be buckets)")
-    p.add_argument("--top-k", type=int, default=128)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--tree-top-k", type=int, default=128, help="tree width: drafter candidates per position "
+                   "(default 128)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: the checkpoint's own dtype")
     p.add_argument("--name", default="bench", help="results file name (benchmarks/results/<name>.json)")
     p.add_argument("--no-calibrate", action="store_true")
     p.add_argument("--out-dir", default=str(RESULTS), help="where to write <name>.json/.md (default benchmarks/results)")
@@ -87,15 +89,17 @@ def main(argv: list[str] | None = None) -> int:
 
         shipped = default_drafter_dir() if args.target is None else None
         args.drafter = str(shipped) if shipped else "random"
+    if args.block_size is not None and args.drafter != "random":
+        raise SystemExit("error: --block-size only applies to --drafter random (a loaded drafter has its own)")
     target_path = args.target or default_target_dir()
     target = load_target(target_path, resolve_dtype(args.dtype))
     tok = load_tokenizer(target)
     if args.drafter == "random":
-        drafter = random_drafter(tiny_drafter_config(target.config, block_size=args.block_size), target.dtype)
+        drafter = random_drafter(tiny_drafter_config(target.config, block_size=args.block_size or 16), target.dtype)
     else:
         drafter = load_drafter(args.drafter, target.config, target.dtype)
     buckets = parse_buckets(args.buckets)
-    engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.top_k)
+    engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k)
     modes = ["ar", "dflash"] + [f"fixed:{n}" for n in parse_buckets(args.fixed)] + ["bastion"]
     if args.modes:
         modes = ["ar"] + [m for m in args.modes.split(",") if m and m != "ar"]
@@ -103,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [(Path(f).name.split(".")[0], t) for f in args.prompts for t in read_prompts(f, args.max_prompts)]
     ids = [encode_prompt(tok, t) for _, t in prompts]
     longest = max(map(len, ids))
-    slack = max(max(buckets), engine.block_size)
-    cache_len = engine.cache_len_for([longest], args.max_new_tokens, None, slack)
+    # One cache length for every mode (the largest slack, the tree's), so all pay the same attention cost.
+    cache_len = engine.cache_len_for([longest], args.max_new_tokens, None, engine.slack("bastion"))
     if not args.no_calibrate:
         engine.calibrate(cache_len)
     device = jax.devices()[0].device_kind

@@ -15,26 +15,32 @@ from checkpoints_convert.source import Source, open_source
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "bf16": jnp.bfloat16}
 
 
-def parse_dtype(name: str) -> jnp.dtype:
+def parse_dtype(name: str | None) -> jnp.dtype | None:
+    """A dtype name; None stays None (keep the checkpoint's own dtype)."""
+    if name is None:
+        return None
     try:
         return DTYPES[name]
     except KeyError:
         raise ConversionError(f"unknown dtype {name!r} (choose float32 or bfloat16)") from None
 
 
-def load_params(source: Source, dtype: jnp.dtype) -> tuple[TargetConfig, dict[str, Any]]:
-    """Config and nested param dict of a target checkpoint, validated against the model."""
+def load_params(source: Source, dtype: jnp.dtype | None) -> tuple[TargetConfig, dict[str, Any]]:
+    """Config and nested param dict of a target checkpoint, validated against the model, in `dtype`
+    (None: the checkpoint's own dtype, `Source.native_dtype`)."""
     from bastion_jax.checkpoint import abstract_target_state
 
     try:
         cfg = TargetConfig.from_hf(source.hf_config)
     except ConfigError as e:
         raise ConversionError(f"{source.path}: {e}") from None
+    dtype = dtype or source.native_dtype()
     return cfg, build_params(source, abstract_target_state(cfg, dtype), dtype)
 
 
-def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16") -> Path:
-    """Convert `src` (HF target dir, z-lab DFlash drafter dir, or .gguf) into a bastion_jax checkpoint dir."""
+def convert(src: str | Path, out: str | Path, dtype: str | None = "bfloat16") -> Path:
+    """Convert `src` (HF target dir, z-lab DFlash drafter dir, or .gguf) into a bastion_jax checkpoint dir,
+    stored in `dtype` (None: the source's own dtype; quantised GGUF tensors are dequantised to float32)."""
     from bastion_jax.checkpoint import save_drafter, save_target
     from checkpoints_convert.dflash import is_dflash_config, load_zlab_params
 
@@ -45,7 +51,7 @@ def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16") -> Path:
         raise ConversionError(f"output directory is not empty: {out}")
     source = open_source(src)
     if is_dflash_config(source.hf_config):
-        dcfg, dparams = load_zlab_params(Path(src), parse_dtype(dtype))
+        dcfg, dparams = load_zlab_params(Path(src), parse_dtype(dtype) or source.native_dtype())
         out.mkdir(parents=True, exist_ok=True)
         save_drafter(out, dcfg, dparams, source=str(source.path))
         return out

@@ -58,6 +58,18 @@ def _field(reader, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
+def gguf_dtype(tensors) -> str:
+    """The file's own dtype: the float type of its weight matrices (F32 / F16 / BF16); "float32" when
+    any tensor is quantised (those are dequantised to float32) or the types are mixed. 1-D tensors
+    (norms) are left out: llama.cpp always stores them in F32."""
+    import gguf
+
+    floats = {gguf.GGMLQuantizationType.F32: "float32", gguf.GGMLQuantizationType.F16: "float16",
+              gguf.GGMLQuantizationType.BF16: "bfloat16"}
+    kinds = {floats.get(t.tensor_type, "quantised") for t in tensors if len(t.shape) > 1}
+    return kinds.pop() if len(kinds) == 1 and "quantised" not in kinds else "float32"
+
+
 def open_gguf(path: Path) -> Source:
     import gguf
 
@@ -125,4 +137,4 @@ def open_gguf(path: Path) -> Source:
             raise ConversionError(f"cannot build a tokenizer from {path}: {e}") from None
         tok.save_pretrained(str(out))
 
-    return Source(path, hf_config, list(by_hf), load, save_tokenizer)
+    return Source(path, hf_config, list(by_hf), load, save_tokenizer, gguf_dtype(tensors[by_hf[n]] for n in by_hf))

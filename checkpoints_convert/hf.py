@@ -62,6 +62,29 @@ def hf_generation_eos(directory: Path) -> list[int]:
         raise ConversionError(f"malformed eos_token_id {eos!r} in {gen}") from None
 
 
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def hf_dtype(hf_config: dict, weight_map: dict[str, Path]) -> str | None:
+    """The checkpoint's own dtype: `torch_dtype` (or transformers 5's `dtype`) in config.json, else the
+    most common float dtype among the safetensors headers (no tensor data is read)."""
+    named = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    if isinstance(named, str) and named != "auto":
+        return named.removeprefix("torch.")
+    counts: dict[str, int] = {}
+    for f in sorted(set(weight_map.values())):
+        try:
+            with safe_open(f, framework="numpy") as st:
+                for name in st.keys():
+                    code = st.get_slice(name).get_dtype()
+                    if code in _SAFETENSORS_DTYPES:
+                        counts[_SAFETENSORS_DTYPES[code]] = counts.get(_SAFETENSORS_DTYPES[code], 0) + 1
+        except (SafetensorError, OSError) as e:
+            raise ConversionError(f"unreadable safetensors file {f}: {e}") from None
+    return max(counts, key=counts.get) if counts else None
+
+
 def open_hf(directory: Path) -> Source:
     if not (directory / "config.json").is_file():
         raise ConversionError(f"no config.json in {directory}")
@@ -86,4 +109,4 @@ def open_hf(directory: Path) -> Source:
             if (directory / fname).is_file():
                 shutil.copy2(directory / fname, out / fname)
 
-    return Source(directory, hf_config, list(weight_map), load, save_tokenizer)
+    return Source(directory, hf_config, list(weight_map), load, save_tokenizer, hf_dtype(hf_config, weight_map))

@@ -13,6 +13,10 @@ from typing import Any, Callable
 import numpy as np
 
 
+# The float dtypes a checkpoint may be kept in when no dtype is asked for.
+NATIVE_DTYPES = ("float32", "bfloat16", "float16")
+
+
 @dataclasses.dataclass
 class Source:
     path: Path
@@ -20,6 +24,21 @@ class Source:
     names: list[str]  # HF parameter names, e.g. "model.layers.0.self_attn.q_proj.weight"
     load: Callable[[str], np.ndarray]
     save_tokenizer: Callable[[Path], None]
+    # The checkpoint's own dtype name as found (HF config / safetensors headers; GGUF tensor types,
+    # "float32" when any tensor is quantised, since those are dequantised to float32).
+    dtype: str | None = None
+
+    def native_dtype(self):
+        """The dtype loading keeps when none is asked for (a jnp dtype); an error if it is not a float
+        dtype the model computes in."""
+        import jax.numpy as jnp
+
+        from checkpoints_convert.errors import ConversionError
+
+        if self.dtype not in NATIVE_DTYPES:
+            raise ConversionError(f"{self.path} stores {self.dtype or 'an unknown dtype'}, which the model does not "
+                                  f"compute in; choose one with --dtype ({', '.join(NATIVE_DTYPES[:2])})")
+        return jnp.dtype(self.dtype)
 
 
 def open_source(path: str | Path) -> Source:

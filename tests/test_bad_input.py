@@ -222,6 +222,22 @@ def test_generate_prompt_within_cache_succeeds(capsys, _tiny):
     assert out.endswith("\n")
 
 
+def test_generate_max_len_too_small_for_the_answer(capsys, _tiny):
+    """The prompt fits but the answer does not: an error naming the numbers, not a 4-token answer."""
+    prompt = " ".join(_WORDS[:12])
+    rc, out, err = _generate(capsys, "--target", str(_tiny["ours"]), "--no-chat", "--max-len", "16",
+                             "--max-new-tokens", "8", "--quiet", prompt)
+    assert rc == 2 and out == ""
+    _one_error_line(err, "--max-len 16", "(12 tokens)", "8 new tokens", "0 slots", "= 20")
+
+
+def test_generate_block_size_without_random_drafter(capsys, tmp_path):
+    # Refused before anything is loaded (the target does not exist).
+    rc, out, err = _generate(capsys, "--target", str(tmp_path / "nope"), "--block-size", "4", "w1")
+    assert rc == 2 and out == ""
+    _one_error_line(err, "--block-size", "--drafter random")
+
+
 @pytest.mark.parametrize("argv, stdin", [([""], None), (["   \n\t"], None), (["ok", ""], None), ([], "")],
                          ids=["empty", "whitespace", "one-of-two-empty", "empty-stdin"])
 def test_generate_empty_prompt(capsys, monkeypatch, tmp_path, argv, stdin):

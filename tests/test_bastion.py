@@ -162,11 +162,15 @@ def test_latency_fit_recovers_linear_calibration_and_persists(tmp_path):
     lat.fit(samples)
     for b, c, t in samples:
         assert lat.predict(b, c) == pytest.approx(t, rel=1e-6)
-    lat.observe(8, 512, 2 * lat.predict(8, 512))  # online: a slower measurement moves the EMA
-    assert lat.ema[8] == pytest.approx(2.0)
-    lat.save(tmp_path / "cal.json", "tiny", "float32")
+    fitted = lat.predict(8, 512)
+    lat.save(tmp_path / "cal.json", "tiny", "float32", 4)  # the offline fit is what gets saved
+    lat.observe(8, 512, 2 * fitted)  # online: a slower measurement moves the EMA
+    assert lat.ema[8] == pytest.approx(2.0) and lat.predict(8, 512) == pytest.approx(2 * fitted)
+    with pytest.raises(ValueError, match="online"):  # an EMA-corrected model never overwrites a calibration
+        lat.save(tmp_path / "cal.json", "tiny", "float32", 4)
     fresh = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8))
-    assert fresh.load(tmp_path / "cal.json", "tiny", "float32")
-    assert fresh.predict(8, 512) == pytest.approx(lat.predict(8, 512))
+    assert fresh.load(tmp_path / "cal.json", "tiny", "float32", 4)
+    assert fresh.predict(8, 512) == pytest.approx(fitted)
     other = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8, 16))  # other bucket set: not reused
-    assert not other.load(tmp_path / "cal.json", "tiny", "float32")
+    assert not other.load(tmp_path / "cal.json", "tiny", "float32", 4)
+    assert not fresh.load(tmp_path / "cal.json", "tiny", "float32", 8)  # other tree width: not reused

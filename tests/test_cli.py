@@ -1,6 +1,7 @@
 """The generate CLI end to end on a tiny converted model: modes, batches, stdout/stderr split."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -43,15 +44,101 @@ def test_speculative_modes_with_random_drafter_print_ar_text(capsys, tiny_ckpt, 
         assert "buckets " in spec_err
 
 
-def test_bastion_calibrates_once_and_compares_with_ar(capsys, tiny_ckpt):
-    args = ["w5 w6 w7", "--target", tiny_ckpt, "--no-chat", "--max-new-tokens", "16", "--drafter", "random",
-            "--block-size", "4", "--buckets", "1,4,8", "--compare-ar"]
-    rc, out, err = run(capsys, *args)
+RANDOM_PAIR = ["--drafter", "random", "--block-size", "4", "--buckets", "1,4"]
+
+
+def test_only_a_run_that_profiled_writes_the_calibration(capsys, tiny_ckpt, tmp_path):
+    """--no-calibrate and batch runs never write a calibration (they used to save their online-corrected
+    model, which the next run then reused as if it were measured): the next normal run profiles afresh,
+    saves, and the one after reuses it. The last run also compares with AR at temperature 0."""
+    single = ["w5 w6 w7", "--target", tiny_ckpt, "--no-chat", "--max-new-tokens", "16", *RANDOM_PAIR]
+    calibration = tmp_path / "cache" / "calibration"
+    rc, _, err = run(capsys, *single, "--no-calibrate")
+    assert rc == 0 and "latency calibration: skipped" in err, err
+    rc, _, err = run(capsys, "w5 w6", "w7 w8 w9 w10", "--target", tiny_ckpt, "--no-chat", "--max-new-tokens", "8",
+                     *RANDOM_PAIR)
+    assert rc == 0 and "not used for a batch of 2 prompts" in err, err
+    assert not calibration.exists() or not any(calibration.iterdir())
+    rc, out, err = run(capsys, *single)
+    assert rc == 0 and "latency calibration: profiled" in err, err
+    saved = list(calibration.iterdir())
+    assert len(saved) == 1
+    written = saved[0].read_text()
+    rc, out2, err2 = run(capsys, *single, "--compare-ar")
+    assert rc == 0 and "latency calibration: reused" in err2 and out2 == out, err2
+    assert saved[0].read_text() == written  # generating (online corrections) did not rewrite it
+    assert "[compare] bastion vs ar: speedup" in err2 and "text identical to AR: yes" in err2
+    # Both timed runs were warmed up alike: neither compiled anything while being timed.
+    assert "[compare] warm-up: bastion and ar" in err2
+    assert err2.count("compile 0.0s (0 at warm-up, 0 after)") == 2, err2
+
+
+def test_calibration_key_follows_the_setting_not_the_spelling(tiny_ckpt, tmp_path, monkeypatch):
+    """The key changes with tree width, buckets, dtype and the model's files, and not with how the
+    target's path is written (relative, absolute, through a symlink)."""
+    import os
+    import shutil
+
+    import jax.numpy as jnp
+
+    from bastion_jax.checkpoint import load_target, random_drafter
+    from bastion_jax.engine import Engine
+    from bastion_jax.testing import tiny_drafter_config
+
+    def path_for(target_path, dtype=jnp.float32, buckets=(1, 4), top_k=8):
+        target = load_target(target_path, dtype)
+        drafter = random_drafter(tiny_drafter_config(target.config, block_size=4), target.dtype)
+        engine = Engine(target, stop_ids=[-1], drafter=drafter, buckets=buckets, top_k=top_k)
+        return generate.calibration_path(engine, generate.calibration_model(target, drafter))
+
+    copy = Path(shutil.copytree(tiny_ckpt, tmp_path / "ckpt"))
+    (tmp_path / "link").symlink_to(copy)
+    monkeypatch.chdir(tmp_path)
+    base = path_for(copy)
+    assert path_for("ckpt") == path_for("./link/") == base
+    assert path_for(copy, top_k=16) != base
+    assert path_for(copy, buckets=(1, 4, 8)) != base
+    assert path_for(copy, dtype=jnp.bfloat16) != base
+    config = copy / "config.json"
+    st = config.stat()
+    os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the checkpoint was rewritten
+    assert path_for(copy) != base
+
+
+def test_compare_ar_at_temperature_does_not_claim_identity(capsys, tiny_ckpt):
+    """At T > 0 the two runs draw their own samples: no identical/differs verdict; both warmed up."""
+    rc, out, err = run(capsys, "w5 w6 w7", "--target", tiny_ckpt, "--no-chat", "--max-new-tokens", "8",
+                       *RANDOM_PAIR, "--mode", "fixed:4", "--compare-ar", "--temperature", "0.9", "--seed", "3")
     assert rc == 0, err
-    assert "latency calibration: profiled" in err
-    assert "[compare] bastion vs ar: speedup" in err and "text identical to AR: yes" in err
-    rc, out2, err2 = run(capsys, *args)
-    assert rc == 0 and "latency calibration: reused" in err2 and out2 == out
+    line = next(x for x in err.splitlines() if x.startswith("[compare] fixed:4 vs ar"))
+    assert "texts not compared (temperature 0.9" in line
+    assert "identical" not in line and "differs" not in line
+    assert err.count("compile 0.0s (0 at warm-up, 0 after)") == 2, err
+
+
+def test_top_k_is_the_sampling_top_k(capsys, tiny_ckpt):
+    """--top-k 1 at temperature 1 samples only the most likely token: the greedy text. (When --top-k was
+    the tree width this sampled the whole distribution.) --tree-top-k is the tree width."""
+    args = generate.build_parser().parse_args(["x", "--top-k", "3", "--tree-top-k", "5"])
+    assert (args.top_k, args.tree_top_k) == (3, 5)
+    assert generate.build_parser().parse_args(["x", "--sample-top-k", "2"]).top_k == 2  # old spelling, hidden
+    assert generate.build_parser().parse_args(["x"]).top_k == 0
+    common = ["w5 w6 w7", "--target", tiny_ckpt, "--no-chat", "--max-new-tokens", "12", "--quiet"]
+    rc, greedy, _ = run(capsys, *common)
+    rc2, sampled, err = run(capsys, *common, "--temperature", "1.0", "--top-k", "1", "--seed", "4")
+    assert rc == rc2 == 0, err
+    assert sampled == greedy
+    rc, unrestricted, _ = run(capsys, *common, "--temperature", "1.0", "--seed", "4")
+    assert unrestricted != greedy  # the control: without --top-k 1 this seed does not give the greedy text
+
+
+def test_loaded_lines_say_which_dtype_is_used(capsys, tiny_ckpt):
+    rc, _, err = run(capsys, "w5", "--target", tiny_ckpt, "--no-chat", "--max-new-tokens", "2", "--drafter",
+                     "random", "--mode", "dflash")
+    assert rc == 0 and "float32: the checkpoint's dtype" in err and "float32 like the target" in err, err
+    rc, _, err = run(capsys, "w5", "--target", tiny_ckpt, "--no-chat", "--max-new-tokens", "2", "--dtype", "bfloat16")
+    assert rc == 0 and "bfloat16: --dtype" in err, err
+    assert "ended: max new tokens" in err
 
 
 def test_fixed_mode_with_unknown_bucket_is_an_error(capsys, tiny_ckpt):

@@ -164,9 +164,9 @@ def test_no_recompilation_after_warmup_dflash(converted):
     _, target = converted("qwen3")
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK))
     engine = Engine(target, drafter=drafter, stop_ids=[-1])
-    engine.generate([PROMPTS[0]], max_new_tokens=12)
+    engine.generate([PROMPTS[0]], max_new_tokens=12, mode="dflash")
     n = engine.compilations
-    engine.generate([[4, 4, 4]], max_new_tokens=12)
+    engine.generate([[4, 4, 4]], max_new_tokens=12, mode="dflash")
     assert engine.compilations == n == 2
 
 

@@ -14,7 +14,7 @@ from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims, measure_co
 
 # A CI-sized run: SmolLM2 shapes cut to one target layer, a one-layer drafter with block 4.
 TINY = ["--arch", "smollm2-135m", "--layers", "1", "--drafter-layers", "1", "--block-size", "4",
-        "--buckets", "1,4", "--contexts", "16,40", "--reps", "1", "--warmup", "1", "--top-k", "8",
+        "--buckets", "1,4", "--contexts", "16,40", "--reps", "1", "--warmup", "1", "--tree-top-k", "8",
         "--copy-mib", "4", "--matmul-n", "128"]
 BUCKETS, CONTEXTS = (1, 4), (16, 40)
 
@@ -99,7 +99,8 @@ def test_calibration_json_loads_into_the_controllers_model(tiny_run):
     data = json.loads((out / "tiny.calibration.json").read_text())
     model_name = data["model"]
     lat = tiny_latency_model()
-    assert lat.load(out / "tiny.calibration.json", model_name, "float32")
+    assert data["tree_top_k"] == 8
+    assert lat.load(out / "tiny.calibration.json", model_name, "float32", 8)
     assert lat.peaks.source == "measured" and lat.peaks.bandwidth == data["peaks"]["bandwidth"]
     for b in BUCKETS:
         for c in (16, 40, 100):
@@ -111,7 +112,8 @@ def test_calibration_json_loads_into_the_controllers_model(tiny_run):
     # --install put the same file where generate's calibration_path looks (keyed by the model).
     installed = cache / "calibration" / f"{data['key']}.json"
     assert json.loads(installed.read_text()) == data
-    assert not tiny_latency_model().load(out / "tiny.calibration.json", "another model", "float32")
+    assert not tiny_latency_model().load(out / "tiny.calibration.json", "another model", "float32", 8)
+    assert not tiny_latency_model().load(out / "tiny.calibration.json", model_name, "float32", 16)  # tree width
 
 
 def test_measured_peaks_are_positive_and_keep_the_device_key():
@@ -127,17 +129,21 @@ def test_saved_peaks_are_adopted_and_old_files_still_load(tmp_path):
     dims = ModelDims(2, 64, 4, 2, 16, 128, 96, 4)
     fitted = LatencyModel(dims, DevicePeaks("test", 3e9, 2e9, "measured"), (1, 8))
     fitted.fit([(1, 16, 0.01), (1, 64, 0.012), (8, 16, 0.02), (8, 64, 0.025)])
-    fitted.save(tmp_path / "cal.json", "m", "float32")
+    fitted.save(tmp_path / "cal.json", "m", "float32", 8)
     fresh = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8))
-    assert fresh.load(tmp_path / "cal.json", "m", "float32")
+    assert fresh.load(tmp_path / "cal.json", "m", "float32", 8)
     assert fresh.peaks == fitted.peaks
     assert fresh.predict(8, 40) == pytest.approx(fitted.predict(8, 40))
     old = json.loads((tmp_path / "cal.json").read_text())
     del old["peaks"]  # written before peaks were saved: alpha/beta load, peaks stay
     (tmp_path / "old.json").write_text(json.dumps(old))
     older = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8))
-    assert older.load(tmp_path / "old.json", "m", "float32") and older.peaks.source == "datasheet"
+    assert older.load(tmp_path / "old.json", "m", "float32", 8) and older.peaks.source == "datasheet"
     assert older.alpha == fitted.alpha
+    fitted.observe(8, 40, 1.0)  # an online (EMA) correction: never written to a calibration file
+    with pytest.raises(ValueError, match="online"):
+        fitted.save(tmp_path / "poisoned.json", "m", "float32", 8)
+    assert not (tmp_path / "poisoned.json").exists()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -220,3 +226,27 @@ def test_perf_8b_writes_its_ratios_at_a_tiny_shape(tmp_path):
     md = (tmp_path / "perf.md").read_text()
     assert "| criterion | value | target | pass |" in md and "not measured" in md
     assert (tmp_path / "perf.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_install_is_found_by_generate_however_the_paths_are_spelled(tmp_path, monkeypatch, capsys):
+    """`profile --install` and `generate` compute one key for one pair: the profile is given the target
+    through a relative symlink, generate through the absolute path, and generate reuses the file."""
+    from bastion_jax import generate
+    from bastion_jax.testing import save_tiny_hf
+    from checkpoints_convert import convert
+
+    save_tiny_hf("llama3", tmp_path / "hf", seed=2)
+    convert(tmp_path / "hf", tmp_path / "ckpt", dtype="float32")
+    (tmp_path / "link").symlink_to(tmp_path / "ckpt")
+    monkeypatch.setenv("BASTION_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    pair = ["--drafter", "random", "--block-size", "4", "--buckets", "1,4", "--tree-top-k", "8"]
+    assert profile.main(["--target", "link", *pair, "--contexts", "16,40", "--reps", "1", "--warmup", "0",
+                         "--copy-mib", "4", "--matmul-n", "128", "--out-dir", "out", "--install", "--no-plot",
+                         "--quiet"]) == 0
+    assert len(list((tmp_path / "cache" / "calibration").iterdir())) == 1
+    capsys.readouterr()
+    rc = generate.main(["w5 w6 w7", "--target", str(tmp_path / "ckpt"), *pair, "--no-chat", "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "latency calibration: reused" in err, err

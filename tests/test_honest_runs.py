@@ -1,0 +1,152 @@
+"""The engine does what was asked or says why not (issue 11): every row gets its full max_new_tokens
+unless it stops (the cache is sized for it, or the request is refused), timings are the engine's own,
+the default mode is the CLI's, and loaders keep the checkpoint's dtype unless told otherwise."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bastion_jax.checkpoint import load_drafter, load_target, random_drafter
+from bastion_jax.engine import MAX_NEW_TOKENS, Engine, GenerationError
+from bastion_jax.testing import tiny_drafter_config
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def pair(converted):
+    """(target, engine with a random block-4 drafter); the tiny llama3 has 512 positions."""
+    _, target = converted("llama3")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK), seed=1)
+    return target, Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4), top_k=4)
+
+
+def test_answer_is_never_cut_short_at_the_models_positions(pair):
+    """prompt + new tokens fit the 512 positions but + the block's slack does not: the cache grows past
+    them by the slack (only drafts land there). The old min(..., cache - prompt - slack + 1) budget
+    returned 504 of the 505 tokens without a word."""
+    target, engine = pair
+    prompt, n = [5, 9, 11, 40, 41], 505
+    assert len(prompt) + n <= target.config.max_position_embeddings < len(prompt) + n + engine.slack("dflash")
+    slack = engine.slack("dflash")
+    assert engine.cache_len_for([len(prompt)], n, None, slack) >= len(prompt) + n + slack  # every write fits
+    res = engine.generate([prompt], max_new_tokens=n, mode="dflash")
+    assert len(res.tokens[0]) == n
+    assert res.stats.ended == {MAX_NEW_TOKENS: 1}
+    assert res.tokens == engine.generate([prompt], max_new_tokens=n, mode="ar").tokens
+    with pytest.raises(GenerationError, match=r"\(5 tokens\) \+ 508 new tokens .* = 513 exceed .* 512 positions"):
+        engine.generate([prompt], max_new_tokens=508, mode="ar")
+
+
+@pytest.mark.parametrize("mode, slack", [("ar", 0), ("dflash", BLOCK), ("fixed:4", None)])
+def test_an_explicit_cache_too_small_is_refused_naming_the_numbers(pair, mode, slack):
+    _, engine = pair
+    slack = engine.slack(mode) if slack is None else slack
+    need = 5 + 20 + slack
+    with pytest.raises(GenerationError) as e:
+        engine.generate([[5, 9, 11, 40, 41]], max_new_tokens=20, max_len=need - 1, mode=mode)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for part in (f"--max-len {need - 1}", "(5 tokens)", "20 new tokens", f"{slack} slots", f"= {need}"):
+        assert part in msg, (part, msg)
+    res = engine.generate([[5, 9, 11, 40, 41]], max_new_tokens=20, max_len=need, mode=mode)  # exactly enough
+    assert len(res.tokens[0]) == 20 and res.stats.ended == {MAX_NEW_TOKENS: 1}
+
+
+def test_timings_exclude_what_the_caller_does_between_steps(pair):
+    """A consumer that sleeps 50 ms per step (slow detokenising / printing) does not slow the reported
+    tokens/s: --compare-ar times the streamed mode and the silent AR run alike."""
+    _, engine = pair
+    engine.generate([[5, 9, 11]], max_new_tokens=8, mode="ar")  # compiled and run once
+    from bastion_jax.engine import Stats
+
+    stats = Stats()
+    slept = 0.0
+    for _ in engine.stream([[5, 9, 11]], max_new_tokens=8, mode="ar", stats=stats):
+        time.sleep(0.05)
+        slept += 0.05
+    assert stats.new_tokens == 8
+    assert stats.ttft_s + stats.decode_s < slept / 2, (stats.ttft_s, stats.decode_s, slept)
+
+
+def test_default_mode_is_the_clis(pair, converted):
+    _, engine = pair
+    assert engine.default_mode == "bastion"
+    assert engine.generate([[5, 9, 11]], max_new_tokens=3).stats.mode == "bastion"
+    _, target = converted("llama3")
+    assert Engine(target, stop_ids=[-1]).default_mode == "ar"
+
+
+# -- dtypes ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bf16_hf(tmp_path_factory):
+    """A tiny HF qwen3 saved in bfloat16 (config says so, tensors are BF16)."""
+    import torch
+
+    from bastion_jax.testing import tiny_hf_model, tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("bf16_hf")
+    model = tiny_hf_model("qwen3", seed=3).to(torch.bfloat16)
+    model.save_pretrained(root)
+    tiny_tokenizer().save_pretrained(root)
+    return root
+
+
+def test_hf_checkpoints_load_in_their_own_dtype(bf16_hf, tmp_path):
+    import shutil
+
+    assert load_target(bf16_hf).dtype == jnp.bfloat16  # was silently float32
+    assert load_target(bf16_hf, jnp.float32).dtype == jnp.float32  # --dtype overrides
+    bare = shutil.copytree(bf16_hf, tmp_path / "bare")
+    cfg = json.loads((bare / "config.json").read_text())
+    cfg.pop("torch_dtype", None), cfg.pop("dtype", None)
+    (bare / "config.json").write_text(json.dumps(cfg))
+    assert load_target(bare).dtype == jnp.bfloat16  # from the safetensors headers
+
+
+def test_convert_without_a_dtype_keeps_the_sources(bf16_hf, tmp_path):
+    from checkpoints_convert import convert
+
+    convert(bf16_hf, tmp_path / "ours", dtype=None)
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["bastion_jax"]["dtype"] == "bfloat16"
+    assert load_target(tmp_path / "ours").dtype == jnp.bfloat16
+
+
+def test_zlab_drafter_loads_in_its_own_dtype_unless_told(converted, tmp_path):
+    from checkpoints_convert.dflash import export_zlab
+
+    _, target = converted("qwen3")
+    d = random_drafter(tiny_drafter_config(target.config, block_size=4))
+    out = export_zlab(d.config, d.state, tmp_path / "z", dtype=jnp.bfloat16)
+
+    def dtype_of(drafter):
+        return drafter.state["norm"]["weight"][...].dtype
+
+    assert dtype_of(load_drafter(out, target.config)) == jnp.bfloat16
+    assert dtype_of(load_drafter(out, target.config, jnp.float32)) == jnp.float32  # generate: the target's
+
+
+def test_gguf_dtype_is_its_float_matrices_or_float32_when_quantised():
+    import gguf
+
+    from checkpoints_convert.gguf_file import gguf_dtype
+
+    Q = gguf.GGMLQuantizationType
+
+    def tensors(*kinds):
+        norm = SimpleNamespace(tensor_type=Q.F32, shape=np.array([64]))  # norms: always F32 in llama.cpp
+        return [norm] + [SimpleNamespace(tensor_type=k, shape=np.array([64, 64])) for k in kinds]
+
+    assert gguf_dtype(tensors(Q.F16, Q.F16)) == "float16"
+    assert gguf_dtype(tensors(Q.BF16, Q.BF16)) == "bfloat16"
+    assert gguf_dtype(tensors(Q.F32)) == "float32"
+    assert gguf_dtype(tensors(Q.Q4_1, Q.Q8_0)) == "float32"  # dequantised to float32
+    assert gguf_dtype(tensors(Q.F16, Q.Q4_1)) == "float32"
+    assert gguf_dtype(tensors(Q.F16, Q.BF16)) == "float32"  # mixed floats: the widest
