@@ -21,9 +21,12 @@ import numpy as np
 from bastion_jax import compile_counter, decoding, speculative, tree_decoding
 from bastion_jax.checkpoint import LoadedDrafter, Target
 from bastion_jax.controller import DEFAULT_BUCKETS, Controller, Policy, PolicyError
-from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims
+from bastion_jax.draft_gate import DraftGate
+from bastion_jax.tree_decoding import DRAFT, FLUSH, HOLD
+from bastion_jax.latency import AR, AR_DRAFT, DevicePeaks, LatencyModel, ModelDims
 from bastion_jax.modeling.cache import KVCache
 from bastion_jax.sampling import SamplingConfig
+from bastion_jax.speculative import DraftVocab
 
 # CPU backends cannot donate buffers; the warning is noise there.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -74,7 +77,7 @@ class Stats:
     def summary(self) -> str:
         hist = ""
         if self.buckets:
-            hist = " | buckets " + " ".join(f"{b}:{n}" for b, n in sorted(self.buckets.items()))
+            hist = " | buckets " + " ".join(f"{b or 'ar'}:{n}" for b, n in sorted(self.buckets.items()))
         return (f"new tokens {self.new_tokens} | {self.tokens_per_s:.1f} tok/s | tau {self.tau:.2f} | "
                 f"TTFT {self.ttft_s * 1e3:.0f} ms | steps {self.steps}{hist} | "
                 f"compile {self.compile_s:.1f}s ({self.compilations} at warm-up, "
@@ -121,6 +124,16 @@ class _Rows:
         return out
 
 
+class _Bound:
+    """A compiled tree-policy executable with the engine's draft vocabulary bound as its last argument."""
+
+    def __init__(self, exe, draft_vocab):
+        self.exe, self.draft_vocab = exe, draft_vocab
+
+    def __call__(self, *args):
+        return self.exe(*args, self.draft_vocab)
+
+
 class Engine:
     """Generation over a `Target`, optionally with a DFlash drafter; batches of any prompt lengths.
 
@@ -132,7 +145,7 @@ class Engine:
                  stop_ids: Sequence[int] | None = None, proposal: Callable | None = None,
                  block_size: int | None = None, mask_token_id: int = 0,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, top_k: int = 128,
-                 latency: LatencyModel | None = None):
+                 latency: LatencyModel | None = None, draft_vocab: DraftVocab | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -152,6 +165,9 @@ class Engine:
         self.compilations = 0
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.top_k = top_k
+        if draft_vocab is not None and (drafter is None or proposal is not None):
+            raise GenerationError("a draft vocabulary restricts a drafter's LM head: it needs a drafter and no proposal")
+        self.draft_vocab = draft_vocab
         self.latency = latency or self.default_latency_model()
 
     def default_latency_model(self) -> LatencyModel:
@@ -171,7 +187,7 @@ class Engine:
         kind = (mode if isinstance(mode, Policy) else Policy.parse(mode)).kind
         if kind == "ar":
             return 0
-        return (self.block_size or 0) if kind == "dflash" else max(max(self.buckets), self.block_size or 0)
+        return (self.block_size or 0) if kind == "dflash" else self.tree_slack()
 
     # -- compilation -------------------------------------------------------------------------
     def _executable(self, fn, key: tuple, args: tuple, static: dict):
@@ -219,23 +235,45 @@ class Engine:
 
     def _tree_fns(self, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig,
                   step_buckets: Sequence[int]):
-        """(prefill, {bucket: step}) executables of the tree policies; compiled now if not yet."""
+        """(prefill, {bucket: step}) of the tree policies, compiled now if not yet. The callables bind
+        the engine's draft vocabulary; a step takes an optional `then` (default: draft)."""
         i32 = jnp.int32
-        lengths = jax.ShapeDtypeStruct((batch,), i32)
-        rng = jax.random.PRNGKey(0)
+        static, args = self._tree_prefill_args(batch, bucket, cache_len, sampling)
+        key = self._tree_key(sampling, batch, cache_len)
+        prefill = self._executable(tree_decoding.tree_prefill, key + ("prefill", bucket), args, static)
+        state = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(*a, **static)[0], *args)
+        step_args = (self.target.state, args[1], state, jax.ShapeDtypeStruct((batch,), bool), args[6],
+                     self.draft_vocab)
+        steps = {b: _Bound(self._executable(tree_decoding.tree_step, key + ("step", b), step_args,
+                                            dict(static, bucket=b)), self.draft_vocab)
+                 for b in step_buckets}
+        return _Bound(prefill, self.draft_vocab), steps
+
+    def _root_fns(self, batch: int, cache_len: int, sampling: SamplingConfig):
+        """{then: root step}: the AR step of the tree policies (hold, draft or flush after it); compiled
+        now if not yet."""
+        static, args = self._tree_prefill_args(batch, 16, cache_len, sampling)
+        state = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(*a, **static)[0], *args)
+        step_args = (self.target.state, args[1], state, jax.ShapeDtypeStruct((batch,), bool), args[6],
+                     self.draft_vocab)
+        key = self._tree_key(sampling, batch, cache_len)
+        return {then: _Bound(self._executable(tree_decoding.root_step, key + ("root", then), step_args,
+                                              dict(static, then=then)), self.draft_vocab)
+                for then in (HOLD, DRAFT, FLUSH)}
+
+    def _tree_key(self, sampling: SamplingConfig, batch: int, cache_len: int) -> tuple:
+        n_draft = None if self.draft_vocab is None else int(self.draft_vocab.ids.shape[0])
+        return ("tree", sampling, batch, cache_len, self.buckets, self.top_k, n_draft)
+
+    def _tree_prefill_args(self, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig):
+        i32 = jnp.int32
         static = dict(self._spec_static(sampling), buckets=self.buckets, top_k=self.top_k)
         dstate = self.drafter.state if self.drafter else None
         tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
         dcache = jax.eval_shape(lambda: self.new_drafter_cache(batch, cache_len))
-        key = ("tree", sampling, batch, cache_len, self.buckets, self.top_k)
-        args = (self.target.state, dstate, tcache, dcache, jax.ShapeDtypeStruct((batch, bucket), i32), lengths, rng)
-        prefill = self._executable(tree_decoding.tree_prefill, key + ("prefill", bucket), args, static)
-        state = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(*a, **static)[0], *args)
-        steps = {b: self._executable(tree_decoding.tree_step, key + ("step", b),
-                                     (self.target.state, dstate, state, jax.ShapeDtypeStruct((batch,), bool), rng),
-                                     dict(static, bucket=b))
-                 for b in step_buckets}
-        return prefill, steps
+        args = (self.target.state, dstate, tcache, dcache, jax.ShapeDtypeStruct((batch, bucket), i32),
+                jax.ShapeDtypeStruct((batch,), i32), jax.random.PRNGKey(0), self.draft_vocab)
+        return static, args
 
     def _tree_part_fns(self, batch: int, cache_len: int, step_buckets: Sequence[int]):
         """({bucket: tree_verify}, tree_draft) executables: the two halves of a tree step, compiled
@@ -272,20 +310,25 @@ class Engine:
         return self.target.dtype if self.drafter else jnp.dtype(jnp.float32)
 
     def calibrate(self, cache_len: int, sampling: SamplingConfig = SamplingConfig(),
-                  contexts: Sequence[int] | None = None, reps: int = 1) -> list[tuple[int, int, float]]:
-        """Offline calibration: time every bucket's step at a few context lengths and fit the
-        latency model. Steps run with the row inactive, so the context length stays put."""
-        slack = max(max(self.buckets), self.block_size or 0)
+                  contexts: Sequence[int] | None = None, reps: int = 1) -> list[tuple[int | str, int, float]]:
+        """Offline calibration: time every bucket's step, and the root (AR) step with and without a
+        draft, at a few context lengths, and fit the latency model. Steps run with the row inactive,
+        so the context length stays put."""
+        slack = self.tree_slack()
         top = cache_len - slack - 1
         contexts = sorted({max(1, c) for c in (contexts or (16, top)) if c <= top})
         prefill, steps = self._tree_fns(1, 16, cache_len, sampling, self.buckets)
+        variants: dict = dict(steps)
+        if self.drafter is not None:
+            roots = self._root_fns(1, cache_len, sampling)
+            variants[AR], variants[AR_DRAFT] = roots[HOLD], roots[DRAFT]
         dstate = self.drafter.state if self.drafter else None
         key = jax.random.PRNGKey(0)
         state, _ = prefill(self.target.state, dstate, self.new_cache(1, cache_len), self.new_drafter_cache(1, cache_len),
                            jnp.zeros((1, 16), jnp.int32), jnp.ones((1,), jnp.int32), key)
         inactive = jnp.zeros((1,), bool)
         samples = []
-        for b, step in steps.items():
+        for b, step in variants.items():
             for c in contexts:
                 for r in range(reps + 1):  # the first run of each point is a warm-up
                     state = state.replace(length=jnp.full((1,), c, jnp.int32))
@@ -296,6 +339,12 @@ class Engine:
                         samples.append((b, c, time.perf_counter() - t0))
         self.latency.fit(samples)
         return samples
+
+    def tree_slack(self) -> int:
+        """Cache slots a tree-policy step may write past the committed length: the largest bucket
+        (verify), and the drafter's feature buffer (a draft injects all of it at once)."""
+        block = self.block_size or 0
+        return max(max(self.buckets), block, tree_decoding.pending_slots(block) if block else 0)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache.create(self.target.config, batch, max_len, self.target.dtype)
@@ -372,8 +421,14 @@ class Engine:
         before = self.compilations
         t0 = time.perf_counter()
         if policy.uses_tree:
-            step_buckets = [policy.size] if policy.kind == "fixed" else list(self.buckets)
+            step_buckets = {"fixed": [policy.size], "bastion-paper": list(getattr(controller, "paper_buckets", ()))
+                            }.get(policy.kind, list(self.buckets))
             prefill, steps = self._tree_fns(batch, bucket, cache_len, sampling, step_buckets)
+            gate = None
+            if policy.kind == "bastion":
+                roots = self._root_fns(batch, cache_len, sampling)
+                gate = DraftGate(self.buckets, self.latency.step_time, tree_decoding.pending_slots(self.block_size),
+                                 self.block_size)
         else:
             prefill, step = self._step_fns(policy.kind, batch, bucket, cache_len, sampling)
         stats.compile_s += time.perf_counter() - t0
@@ -412,6 +467,9 @@ class Engine:
         held += time.perf_counter() - paused
         lengths = lens.copy()
         cur = first
+        holding = False
+        if policy.uses_tree and gate is not None:
+            gate.observe_tree(np.asarray(curve).mean(axis=0))
         compiled_before_loop = compile_counter.compilations()
         while not rows.done.all():
             rng, sub = jax.random.split(rng)
@@ -427,11 +485,35 @@ class Engine:
                 new = [toks[i, : counts[i]] for i in range(batch)]
             else:
                 context = int(lengths[active].max())
-                b = controller.choose(np.asarray(curve), context, active)
-                ts = time.perf_counter()
-                state, out, curve = steps[b](self.target.state, dstate, state, jax.device_put(active), sub)
+                if holding or (gate is not None and not gate.use_tree(context)):
+                    # A plain AR step on the root (a tree in hand is dropped: drafting does not pay).
+                    then = gate.root_then(context)
+                    b, variant = 0, (AR_DRAFT if then == DRAFT else AR)
+                    ts = time.perf_counter()
+                    state, out, new_curve = roots[then](self.target.state, dstate, state, jax.device_put(active), sub)
+                    controller.histogram[0] += 1
+                else:
+                    a = np.asarray(curve)
+                    probs = np.exp(np.asarray(state.tree.log_probs)) if policy.kind == "bastion-paper" else None
+                    b = variant = controller.choose(a * (gate.rho if gate else 1.0), context, active, probs)
+                    then = DRAFT
+                    ts = time.perf_counter()
+                    state, out, new_curve = steps[b](self.target.state, dstate, state, jax.device_put(active), sub)
                 toks, counts = np.asarray(out.tokens), np.asarray(out.count)
-                self.latency.observe(b, context, time.perf_counter() - ts)
+                elapsed = time.perf_counter() - ts
+                if then == DRAFT:  # tree steps that hold and flushes are not calibrated variants
+                    self.latency.observe(variant, context, elapsed)
+                elif b == 0 and then == HOLD:
+                    self.latency.observe(AR, context, elapsed)
+                if gate is not None:
+                    if b:
+                        gate.observe_verify(b, float(a[active, self.buckets.index(b)].mean()),
+                                            float(counts[active].mean() - 1))
+                    gate.record(then, int(counts[active].max()))
+                    if then == DRAFT:
+                        gate.observe_tree(np.asarray(new_curve)[active].mean(axis=0))
+                holding = then != DRAFT
+                curve = new_curve
                 new = [toks[i, : counts[i]] for i in range(batch)]
             lengths = lengths + np.where(active, counts, 0).astype(np.int32)
             stats.steps += 1

@@ -143,6 +143,9 @@ class ModelDims:
         return max(self.flops(s, c) / peaks.flops, self.bytes(s, c) / peaks.bandwidth)
 
 
+AR, AR_DRAFT = "ar", "ar+draft"  # the root-step variants, calibrated beside the buckets
+
+
 @dataclasses.dataclass
 class LatencyModel:
     """T_hat(b, c) for every compiled bucket b; `alpha`/`beta` per bucket, online EMA corrections."""
@@ -152,19 +155,36 @@ class LatencyModel:
     buckets: tuple[int, ...]
     drafter: ModelDims | None = None
     block_size: int = 1
-    alpha: dict[int, float] = dataclasses.field(default_factory=dict)
-    beta: dict[int, float] = dataclasses.field(default_factory=dict)
-    ema: dict[int, float] = dataclasses.field(default_factory=dict)  # measured / predicted, per bucket
+    alpha: dict[int | str, float] = dataclasses.field(default_factory=dict)  # per bucket or root variant
+    beta: dict[int | str, float] = dataclasses.field(default_factory=dict)
+    ema: dict[int | str, float] = dataclasses.field(default_factory=dict)  # measured / predicted
     ema_rate: float = 0.1
 
-    def raw(self, b: int, c: int) -> float:
-        """Uncalibrated roofline seconds of one step: verify b nodes, then draft one block."""
-        t = self.target.roofline(self.peaks, b, c)
-        if self.drafter is not None:
-            t += self.drafter.roofline(self.peaks, self.block_size, c) - self.drafter.bytes_per_value * (
-                2 * self.drafter.vocab * self.drafter.hidden) / self.peaks.bandwidth  # no embed/LM head of its own
-            t += 2 * self.block_size * self.target.hidden * self.target.vocab / self.peaks.flops  # borrowed LM head
-        return t
+    def raw(self, b: int | str, c: int) -> float:
+        """Uncalibrated roofline seconds of one step. `b` is a bucket (verify b nodes, then draft one
+        block), "ar" (a root step: one target token, no draft) or "ar+draft" (a root step that drafts)."""
+        if b in (AR, AR_DRAFT):
+            t = self.target.roofline(self.peaks, 1, c)
+            return t + (self.draft_raw(c) if b == AR_DRAFT else 0.0)
+        return self.target.roofline(self.peaks, int(b), c) + self.draft_raw(c)
+
+    def draft_raw(self, c: int) -> float:
+        """Roofline of the drafter's block forward (its embedding and LM head are the target's)."""
+        if self.drafter is None:
+            return 0.0
+        t = self.drafter.roofline(self.peaks, self.block_size, c) - self.drafter.bytes_per_value * (
+            2 * self.drafter.vocab * self.drafter.hidden) / self.peaks.bandwidth  # no embed/LM head of its own
+        return t + 2 * self.block_size * self.target.hidden * self.target.vocab / self.peaks.flops  # borrowed head
+
+    def step_time(self, b: int, c: int, draft: bool) -> float:
+        """T(b, c, draft) for the draft gate: b = 0 is a root (AR) step; a tree step that does not draft
+        costs its drafting step minus the measured price of a draft (root step with and without one)."""
+        if b == 0:
+            return self.predict(AR_DRAFT if draft else AR, c)
+        t = self.predict(b, c)
+        if draft:
+            return t
+        return max(t - max(self.predict(AR_DRAFT, c) - self.predict(AR, c), 0.0), 1e-9)
 
     def predict(self, b: int, c: int) -> float:
         fitted = self.alpha.get(b, 1.0) * self.raw(b, c) + self.beta.get(b, 0.0)

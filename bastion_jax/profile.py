@@ -130,6 +130,8 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
 
     from bastion_jax import compile_counter
     from bastion_jax.controller import Controller, Policy
+    from bastion_jax.latency import AR, AR_DRAFT
+    from bastion_jax.tree_decoding import DRAFT, HOLD
     from bastion_jax.sampling import SamplingConfig
 
     buckets = engine.buckets
@@ -140,6 +142,7 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
     bar.set_postfix_str("compiling")
     t0 = time.perf_counter()
     prefill, steps = engine._tree_fns(1, 16, cache_len, sampling, buckets)
+    roots = engine._root_fns(1, cache_len, sampling) if engine.drafter is not None else {}
     verify, draft = engine._tree_part_fns(1, cache_len, buckets)
     _, ar_step = engine._step_fns("ar", 1, 16, cache_len, sampling)
     compile_s = time.perf_counter() - t0
@@ -161,6 +164,7 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
 
     compiled_before = compile_counter.compilations()
     cells: list[dict] = []
+    root_samples: list[tuple[str, int, float]] = []
     ar_step_s: dict[int, float] = {}
     for c in contexts:
         bar.set_postfix_str(f"context {c}: AR + draft")
@@ -183,6 +187,13 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
 
         ar_step_s[c] = _median_s(ar, reps, warmup)
         draft_s = _median_s(drafting, reps, warmup)
+        for then, variant in ((HOLD, AR), (DRAFT, AR_DRAFT)):  # the root (AR) step, as the draft gate prices it
+            if then in roots:
+                def root_step(root=roots[then]):
+                    box["state"], out, _ = root(tstate, dstate, box["state"], inactive, key)
+                    jax.block_until_ready(out.count)
+
+                root_samples.append((variant, c, _median_s(root_step, reps, warmup)))
         bar.update()
         for b in buckets:
             bar.set_postfix_str(f"bucket {b} context {c}")
@@ -215,7 +226,7 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
     compilations = compile_counter.compilations() - compiled_before
     bar.close()
 
-    engine.latency.fit([(p["bucket"], p["context"], p["step_s"]) for p in cells])
+    engine.latency.fit([(p["bucket"], p["context"], p["step_s"]) for p in cells] + root_samples)
     points = [Point(**p, roofline_s=engine.latency.raw(p["bucket"], p["context"]),
                     calibrated_s=engine.latency.predict(p["bucket"], p["context"])) for p in cells]
     return Profile(points, ar_step_s, cache_len, compile_s, compilations)

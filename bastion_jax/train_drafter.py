@@ -49,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--magpie-temperature", type=float, default=1.0)
     d.add_argument("--magpie-max-tokens", type=int, default=96, help="longest self-written prompt (default 96)")
 
-    k = sub.add_parser("pack", help="store data JSONL files compactly (uint16 ids, compressed .npz) to commit")
+    k = sub.add_parser("pack", help="store data JSONL files compactly (uint16 ids, compressed .npz) to commit, "
+                       "or unpack a .npz back to JSONL (to resume `data` on it)")
     k.add_argument("--data", nargs="+", required=True, help="JSONL / .npz files written by data or pack")
-    k.add_argument("--out", required=True, help=".npz file to write")
+    k.add_argument("--out", required=True, help=".npz file to write (or .jsonl: unpack)")
     k.add_argument("--vocab-size", type=int, default=None, help="target vocabulary (default: read from --target)")
     k.add_argument("--quiet", action="store_true")
 
@@ -154,6 +155,11 @@ def run_pack(args, log) -> int:
     from bastion_jax.training.data import pack_records, read_records
 
     records = [r for p in args.data for r in read_records(p)]
+    if args.out.endswith(".jsonl"):
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        log(f"unpacked {len(records)} sequences into {args.out}")
+        return 0
     vocab = args.vocab_size or 1 + max((t for r in records for t in r["prompt_ids"] + r["response_ids"]), default=0)
     out = pack_records(records, args.out, vocab)
     n = sum(len(r["response_ids"]) for r in records)

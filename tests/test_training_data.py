@@ -96,3 +96,17 @@ def test_packed_file_errors(tmp_path):
     np.savez(bad, tokens=np.zeros(3, np.uint16))
     with pytest.raises(DataError, match="not a packed token file"):
         read_packed(bad)
+
+
+def test_cli_pack_and_unpack_round_trip(tmp_path):
+    from bastion_jax.train_drafter import main
+
+    records = [{"source": "gsm8k_train", "prompt_ids": [1, 2, 3], "response_ids": [4, 5], "temperature": 0.0},
+               {"source": "magpie", "prompt_ids": [7], "response_ids": [8, 9, 10], "temperature": 0.7}]
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["pack", "--data", str(src), "--out", str(tmp_path / "d.npz"), "--quiet"]) == 0
+    assert main(["pack", "--data", str(tmp_path / "d.npz"), "--out", str(tmp_path / "back.jsonl"), "--quiet"]) == 0
+    back = [json.loads(line) for line in open(tmp_path / "back.jsonl")]
+    assert [(r["source"], r["prompt_ids"], r["response_ids"]) for r in back] == [
+        (r["source"], r["prompt_ids"], r["response_ids"]) for r in records]
