@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "tree size maximising estimated tokens/s). Default: bastion with a drafter, else ar")
     p.add_argument("--buckets", help="comma-separated tree sizes (root included) compiled at warm-up "
                    "(default 1,4,8,16,32,64; fixed:N adds N)")
+    p.add_argument("--draft-vocab", default="auto", help="drafter LM head restricted to the N most frequent "
+                   "target tokens (FR-Spec; the ranking ships beside the drafter as vocab_ranking.npy): auto (8192 "
+                   "when the drafter has a ranking), full, or N. Output is unchanged: verification uses every token")
     p.add_argument("--tree-top-k", type=int, default=128,
                    help="tree width: drafter candidates per block position when building trees (default 128, "
                         "capped at the vocab)")
@@ -76,15 +79,17 @@ def dtype_note(flag: str) -> str:
 
 # -- latency calibration ---------------------------------------------------------------------------
 
-def calibration_model(target, drafter) -> str:
+def calibration_model(target, drafter, draft_vocab=None) -> str:
     """The models part of the calibration key: the target's and the drafter's files as they resolve on
-    disk (`model_identity`), so `generate` and `profile --install` agree however a path is spelled."""
+    disk (`model_identity`), so `generate` and `profile --install` agree however a path is spelled,
+    and the draft vocabulary's size (it sets the price of a draft)."""
     from bastion_jax.latency import model_identity
 
     t = model_identity(target.path) if target.path is not None else "in-memory target"
     if drafter is None:
         return f"{t}|none"
-    return f"{t}|{model_identity(drafter.path) if drafter.path is not None else 'random'}"
+    d = model_identity(drafter.path) if drafter.path is not None else "random"
+    return f"{t}|{d}" + (f"|draft-vocab {int(draft_vocab.ids.shape[0])}" if draft_vocab is not None else "")
 
 
 def calibration_path(engine, model: str):
@@ -192,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     from bastion_jax.default_model import DefaultModelError
     from bastion_jax.engine import Engine, GenerationError
     from bastion_jax.sampling import SamplingConfig
+    from bastion_jax.speculative import resolve_draft_vocab
     from bastion_jax.text import IncrementalDetokenizer, encode_prompt, load_tokenizer
 
     try:
@@ -207,14 +213,18 @@ def main(argv: list[str] | None = None) -> int:
         buckets = parse_buckets(args.buckets) if args.buckets else DEFAULT_BUCKETS
         if policy.kind == "fixed" and not args.buckets:
             buckets = tuple(sorted(set(buckets) | {policy.size}))
-        engine = Engine(target, tokenizer, drafter=drafter, buckets=buckets, top_k=args.tree_top_k)
+        draft_vocab = resolve_draft_vocab(target, drafter, args.draft_vocab)
+        if draft_vocab is not None:
+            log(f"draft vocabulary: the {draft_vocab.ids.shape[0]} most frequent tokens (--draft-vocab full: all)")
+        engine = Engine(target, tokenizer, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
+                        draft_vocab=draft_vocab)
         ids = [encode_prompt(tokenizer, p, chat=not args.no_chat, system=args.system) for p in prompts]
         # One cache length for every run of this request (the compared AR run too: same attention cost).
         cache_len = engine.cache_len_for([len(x) for x in ids], args.max_new_tokens, args.max_len,
                                          engine.slack(policy))
         if policy.kind == "bastion":
             if len(ids) == 1:
-                load_or_calibrate(engine, calibration_model(target, drafter), cache_len, sampling,
+                load_or_calibrate(engine, calibration_model(target, drafter, engine.draft_vocab), cache_len, sampling,
                                   args.no_calibrate, log)
             else:  # the profile times batch-1 steps: not this run's cost, and it is never saved from here
                 log(f"latency calibration: not used for a batch of {len(ids)} prompts (roofline + online "

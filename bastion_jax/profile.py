@@ -89,9 +89,11 @@ def parse_contexts(text: str) -> tuple[int, ...]:
 
 def plan_cache_len(contexts: Sequence[int], buckets: Sequence[int], block_size: int, limit: int,
                    max_len: int | None = None) -> int:
-    """The KV cache length: every cell writes up to max(bucket, block) slots past its context, so the
-    longest context + that slack must fit (rounded up to 256, capped by the model's positions)."""
-    slack = max(max(buckets), block_size)
+    """The KV cache length: every cell writes up to max(bucket, drafter feature buffer) slots past its
+    context, so the longest context + that slack must fit (rounded up to 256, capped by the model's positions)."""
+    from bastion_jax.tree_decoding import pending_slots
+
+    slack = max(max(buckets), block_size, pending_slots(block_size))
     need = max(contexts) + slack + 1
     if max_len is None:
         if need > limit:
@@ -364,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)),
                    help="committed context lengths (default 128,512,2048)")
     p.add_argument("--max-len", type=int, help="KV cache length (default: longest context + slack, rounded to 256)")
+    p.add_argument("--draft-vocab", default="auto", help="drafter LM head over the N most frequent tokens: auto, "
+                   "full or N (as in generate; part of the calibration key)")
     p.add_argument("--tree-top-k", type=int, default=128, help="tree width: drafter candidates per position "
                    "(default 128, as `generate`; part of the calibration key)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per cell (median; default 5)")
@@ -400,6 +404,7 @@ def setup(args, log=lambda msg: None) -> Setup:
     import jax.numpy as jnp
 
     from bastion_jax.generate import calibration_model, resolve_dtype
+    from bastion_jax.speculative import resolve_draft_vocab
     from bastion_jax.latency import DevicePeaks
 
     if bool(args.arch) == bool(args.target):
@@ -435,6 +440,7 @@ def setup(args, log=lambda msg: None) -> Setup:
         target, drafter = random_models(tcfg, dcfg, dtype, args.seed)
         label = args.arch + (f"-L{args.layers}" if args.layers else "")
         model_name = f"arch:{label}|random"
+        draft_vocab = None
     else:
         from bastion_jax.checkpoint import load_drafter, load_target, random_drafter
         from bastion_jax.testing import tiny_drafter_config
@@ -449,8 +455,10 @@ def setup(args, log=lambda msg: None) -> Setup:
         cache_len = plan_cache_len(contexts, buckets, drafter.config.block_size,
                                    target.config.max_position_embeddings, args.max_len)
         label = Path(args.target).name.split(".")[0] or "target"
-        model_name = calibration_model(target, drafter)  # what `generate` computes for the same pair
-    engine = Engine(target, None, drafter=drafter, stop_ids=[], buckets=buckets, top_k=args.tree_top_k)
+        draft_vocab = resolve_draft_vocab(target, drafter, args.draft_vocab)
+        model_name = calibration_model(target, drafter, draft_vocab)  # what `generate` computes for the same pair
+    engine = Engine(target, None, drafter=drafter, stop_ids=[], buckets=buckets, top_k=args.tree_top_k,
+                    draft_vocab=draft_vocab)
     if args.peaks == "measure":
         copy_bytes = args.copy_mib << 20 if args.copy_mib else None
         log("measuring copy bandwidth and matmul rate")

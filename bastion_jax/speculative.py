@@ -14,6 +14,7 @@ per-position logits [b, B-1, vocab] (tests use oracle / half-right drafters with
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 from typing import Callable, Optional
 
 import jax
@@ -36,6 +37,38 @@ class SpecState:
     root: jax.Array  # [b] last committed token (no K/V yet)
     drafts: jax.Array  # [b, B-1] the next block's drafts
     length: jax.Array  # [b] committed tokens with K/V in the target cache (= root's position)
+
+
+RANKING_FILE = "vocab_ranking.npy"  # beside a drafter's config.json: int32 ids, most frequent first
+DEFAULT_DRAFT_VOCAB = 8192
+
+
+def resolve_draft_vocab(target, drafter, spec: str | int | None) -> "DraftVocab | None":
+    """The draft vocabulary a user asked for: "auto" (the drafter's ranking, top 8192, when it ships
+    one), "full"/0/None (the whole vocabulary) or N (top N of the ranking, which must exist)."""
+    import numpy as np
+
+    if spec in (None, "full", 0, "0") or drafter is None:
+        return None
+    path = Path(drafter.path) / RANKING_FILE if getattr(drafter, "path", None) else None
+    have = path is not None and path.is_file()
+    if spec == "auto":
+        if not have or target.config.vocab_size <= DEFAULT_DRAFT_VOCAB:
+            return None
+        n = DEFAULT_DRAFT_VOCAB
+    else:
+        try:
+            n = int(spec)
+        except ValueError:
+            raise ValueError(f"--draft-vocab must be auto, full or a token count, got {spec!r}") from None
+        if not have:
+            raise ValueError(f"--draft-vocab {n} needs a token ranking ({RANKING_FILE}) beside the drafter; "
+                             f"{getattr(drafter, 'path', None) or 'this drafter'} has none")
+    try:
+        ranking = np.load(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"unreadable token ranking {path}: {e}") from None
+    return DraftVocab.from_ranking(target, ranking, min(n, target.config.vocab_size))
 
 
 @struct.dataclass

@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--buckets", default="1,4,8,16,32,64")
     p.add_argument("--fixed", default="4,16,64", help="fixed:N sweep sizes (must be buckets)")
+    p.add_argument("--draft-vocab", default="auto", help="drafter LM head over the N most frequent tokens: auto, "
+                   "full or N (see python -m bastion_jax.generate --help)")
     p.add_argument("--tree-top-k", type=int, default=128, help="tree width: drafter candidates per position "
                    "(default 128)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -99,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         drafter = load_drafter(args.drafter, target.config, target.dtype)
     buckets = parse_buckets(args.buckets)
-    engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k)
+    from bastion_jax.speculative import resolve_draft_vocab
+
+    engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
+                    draft_vocab=resolve_draft_vocab(target, drafter, args.draft_vocab))
     modes = ["ar", "dflash"] + [f"fixed:{n}" for n in parse_buckets(args.fixed)] + ["bastion"]
     if args.modes:
         modes = ["ar"] + [m for m in args.modes.split(",") if m and m != "ar"]

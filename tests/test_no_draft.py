@@ -207,3 +207,29 @@ def test_gate_drafts_for_an_oracle_and_stops_for_a_useless_drafter(converted, ki
         # it takes AR steps, with sparse probes (intervals doubling up to 64).
         assert ar_steps >= 0.85 * res.stats.steps
         assert res.stats.steps - ar_steps <= 10
+
+
+def test_resolve_draft_vocab(pair, tmp_path):
+    from bastion_jax.checkpoint import load_drafter
+    from bastion_jax.speculative import RANKING_FILE, resolve_draft_vocab
+    from checkpoints_convert.dflash import export_zlab
+
+    target, drafter = pair
+    export_zlab(drafter.config, drafter.state, tmp_path / "d", jnp.float32)
+    loaded = load_drafter(tmp_path / "d", target.config)
+    assert resolve_draft_vocab(target, loaded, "auto") is None  # no ranking shipped: full vocabulary
+    with pytest.raises(ValueError, match="needs a token ranking"):
+        resolve_draft_vocab(target, loaded, "20")
+    ranking = np.arange(target.config.vocab_size, dtype=np.int32)[::-1]
+    np.save(tmp_path / "d" / RANKING_FILE, ranking)
+    dv = resolve_draft_vocab(target, loaded, "20")
+    assert np.asarray(dv.ids).tolist() == ranking[:20].tolist()
+    assert resolve_draft_vocab(target, loaded, "full") is None
+    assert resolve_draft_vocab(target, loaded, "auto") is None  # a 96-token vocabulary is below the default 8192
+    with pytest.raises(ValueError, match="auto, full or a token count"):
+        resolve_draft_vocab(target, loaded, "lots")
+    engine = Engine(target, drafter=loaded, stop_ids=[-1], buckets=BUCKETS, top_k=4, draft_vocab=dv)
+    prompts = [[5, 9, 11, 40, 41]]
+    ar = engine.generate(prompts, max_new_tokens=16, mode="ar").tokens
+    for mode in ("bastion", "fixed:8", "dflash"):
+        assert engine.generate(prompts, max_new_tokens=16, mode=mode).tokens == ar
