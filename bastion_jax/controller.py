@@ -80,7 +80,8 @@ class Controller:
         self.latency = latency
         self.histogram: collections.Counter[int] = collections.Counter()
 
-    def choose(self, curve: np.ndarray, context: int, active: np.ndarray, path_probs: np.ndarray | None = None) -> int:
+    def choose(self, curve: np.ndarray, context: int, active: np.ndarray, path_probs: np.ndarray | None = None,
+               record: bool = True) -> int:
         """curve: [batch, n_buckets] surrogate A(b) per row; context: longest committed length;
         path_probs: [batch, n_nodes] per-node path probabilities (bastion-paper only)."""
         if self.policy.kind == "fixed":
@@ -92,7 +93,8 @@ class Controller:
             expected = rows.sum(axis=0) + rows.shape[0]  # committed tokens per step over active rows
             cost = np.array([self.latency.predict(b, context) for b in self.buckets])
             b = self.buckets[int(np.argmax(expected / cost))]
-        self.histogram[b] += 1
+        if record:
+            self.histogram[b] += 1
         return b
 
     def paper_size(self, path_probs: np.ndarray, context: int) -> int:

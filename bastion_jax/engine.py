@@ -168,6 +168,7 @@ class Engine:
         if draft_vocab is not None and (drafter is None or proposal is not None):
             raise GenerationError("a draft vocabulary restricts a drafter's LM head: it needs a drafter and no proposal")
         self.draft_vocab = draft_vocab
+        self._gate_memory: dict = {}  # the draft gate's acceptance estimates, kept across requests
         self.latency = latency or self.default_latency_model()
 
     def default_latency_model(self) -> LatencyModel:
@@ -429,6 +430,8 @@ class Engine:
                 roots = self._root_fns(batch, cache_len, sampling)
                 gate = DraftGate(self.buckets, self.latency.step_time, tree_decoding.pending_slots(self.block_size),
                                  self.block_size)
+                # What the gate learnt of this drafter's acceptance carries over to the next request.
+                gate.rho, gate.a_bar = self._gate_memory.get("rho", gate.rho), self._gate_memory.get("a_bar")
         else:
             prefill, step = self._step_fns(policy.kind, batch, bucket, cache_len, sampling)
         stats.compile_s += time.perf_counter() - t0
@@ -485,15 +488,18 @@ class Engine:
                 new = [toks[i, : counts[i]] for i in range(batch)]
             else:
                 context = int(lengths[active].max())
-                if holding or (gate is not None and not gate.use_tree(context)):
-                    # A plain AR step on the root (a tree in hand is dropped: drafting does not pay).
+                a = None if holding else np.asarray(curve)
+                take_root = holding or (gate is not None and (
+                    not gate.use_tree(context) or controller.choose(a * gate.rho, context, active, record=False) == 1))
+                if take_root:
+                    # A plain AR step on the root (a tree in hand is dropped: drafting does not pay, or
+                    # the best bucket is the root alone, which a root step verifies without drafting).
                     then = gate.root_then(context)
                     b, variant = 0, (AR_DRAFT if then == DRAFT else AR)
                     ts = time.perf_counter()
                     state, out, new_curve = roots[then](self.target.state, dstate, state, jax.device_put(active), sub)
                     controller.histogram[0] += 1
                 else:
-                    a = np.asarray(curve)
                     probs = np.exp(np.asarray(state.tree.log_probs)) if policy.kind == "bastion-paper" else None
                     b = variant = controller.choose(a * (gate.rho if gate else 1.0), context, active, probs)
                     then = DRAFT
@@ -529,6 +535,8 @@ class Engine:
             stats.ended[why] = stats.ended.get(why, 0) + 1
         stats.compilations += self.compilations - before
         stats.compilations_after_warmup += compile_counter.compilations() - compiled_before_loop
+        if policy.kind == "bastion" and gate is not None:
+            self._gate_memory.update(rho=gate.rho, a_bar=gate.a_bar)
         if controller is not None:
             for b, n in controller.histogram.items():
                 stats.buckets[b] = stats.buckets.get(b, 0) + n
