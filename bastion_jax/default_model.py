@@ -3,7 +3,10 @@ the DFlash drafter we trained for it (shipped inside this package, z-lab format,
 
 The GGUF is located through the package spec without importing the package (its `__init__`
 imports llama_cpp, which we do not install). It is converted once to a float32 bastion_jax
-checkpoint under the user's cache directory and reused afterwards.
+checkpoint under the user's cache directory and reused afterwards. The conversion also writes the
+GGUF's tokenizer as ordinary tokenizer files (built without torch by `bastion_jax.gguf_tokenizer`),
+so loading the checkpoint never needs the GGUF or torch; checkpoints that earlier versions wrote
+hold the same files and are reused as they are.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -9,16 +10,29 @@ if TYPE_CHECKING:
 
 
 def load_tokenizer(target: "Target"):
+    """The target's tokenizer, never through torch.
+
+    A GGUF target's tokenizer is built from the file's metadata by `bastion_jax.gguf_tokenizer`
+    (transformers' own `gguf_file=` path imports torch, a test-only dependency); any other target
+    dir holds ordinary tokenizer files (a converted GGUF checkpoint included: the converter saves
+    them), which `AutoTokenizer` reads without torch.
+    """
+    from bastion_jax.checkpoint import CheckpointError
+    from bastion_jax.gguf_tokenizer import GGUFTokenizerError, load_gguf_tokenizer, quiet_transformers
+
+    quiet_transformers()
     import transformers
     from transformers import AutoTokenizer
 
     transformers.logging.set_verbosity_error()
-    kwargs = {"gguf_file": target.tokenizer_gguf} if target.tokenizer_gguf else {}
+    if target.tokenizer_gguf:
+        try:
+            return load_gguf_tokenizer(Path(target.tokenizer_dir) / target.tokenizer_gguf)
+        except GGUFTokenizerError as e:
+            raise CheckpointError(str(e)) from None
     try:
-        return AutoTokenizer.from_pretrained(str(target.tokenizer_dir), **kwargs)
+        return AutoTokenizer.from_pretrained(str(target.tokenizer_dir))
     except Exception as e:
-        from bastion_jax.checkpoint import CheckpointError
-
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"no usable tokenizer in {target.tokenizer_dir} (need tokenizer.json or "
                               f"tokenizer_config.json, or a GGUF file): {first}") from None

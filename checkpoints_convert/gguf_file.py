@@ -129,12 +129,14 @@ def open_gguf(path: Path) -> Source:
         return w
 
     def save_tokenizer(out: Path) -> None:
-        from transformers import AutoTokenizer
+        """Ordinary tokenizer files (tokenizer.json, tokenizer_config.json, chat template), built
+        without torch, so the converted checkpoint never needs the GGUF again."""
+        from bastion_jax.gguf_tokenizer import GGUFTokenizerError, load_gguf_tokenizer
 
         try:
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        except Exception as e:
-            raise ConversionError(f"cannot build a tokenizer from {path}: {e}") from None
+            tok = load_gguf_tokenizer(path)
+        except GGUFTokenizerError as e:
+            raise ConversionError(str(e)) from None
         tok.save_pretrained(str(out))
 
     return Source(path, hf_config, list(by_hf), load, save_tokenizer, gguf_dtype(tensors[by_hf[n]] for n in by_hf))
