@@ -3,9 +3,10 @@
     python -m benchmarks.run --prompts ../shared/data/gsm8k_test.jsonl.gz --max-prompts 10 \
         --drafter DIR --name smollm2-gsm8k
 
-Per prompt and overall: tau (mean accepted + 1 per step), tokens/s, the ratio to AR measured in
-this run, the bucket histogram, and whether the tokens equal AR's (they must at T=0). Writes
-benchmarks/results/<name>.json and <name>.md. Prompt files are read in place, never copied.
+Per prompt, per set and overall: tau (mean accepted + 1 per step), tokens/s, the ratio to AR
+measured in this run, the best fixed budget in hindsight, the bucket histogram, and whether the
+tokens equal AR's (they must at T=0). Writes benchmarks/results/<name>.json, .md, .csv and .png,
+stamped with device, date and commit. Prompt files are read in place, never copied.
 Runs on CPU with tiny models (slowly) and on GPU for real numbers.
 """
 
@@ -17,6 +18,8 @@ import gzip
 import json
 import sys
 from pathlib import Path
+
+from benchmarks.report import STANDARD_SETS, commit, markdown_table, per_set, plot, resolve_prompt_file, write_csv
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -54,8 +57,10 @@ def read_prompts(path: str, limit: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", nargs="+", required=True, help="JSONL(.gz) prompt files")
-    p.add_argument("--max-prompts", type=int, default=5, help="prompts per file (default 5)")
+    p.add_argument("--prompts", nargs="+", default=list(STANDARD_SETS),
+                   help="standard sets by name (" + ", ".join(STANDARD_SETS) + "; read from ../shared/data beside "
+                   "the checkout) and/or JSONL(.gz) files with a prompt field (default: every standard set)")
+    p.add_argument("--max-prompts", type=int, default=5, help="prompts per set (default 5)")
     p.add_argument("--target", help="target checkpoint (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", help="drafter dir, or 'random' (default: the shipped drafter with the default "
                    "target, else random)")
@@ -106,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
                     draft_vocab=resolve_draft_vocab(target, drafter, args.draft_vocab))
     modes = ["ar", "dflash"] + [f"fixed:{n}" for n in parse_buckets(args.fixed)] + ["bastion"]
+    if max(buckets) >= 32:
+        modes.append("bastion-paper")
     if args.modes:
         modes = ["ar"] + [m for m in args.modes.split(",") if m and m != "ar"]
 
+    args.prompts = [resolve_prompt_file(f) for f in args.prompts]
     prompts = [(Path(f).name.split(".")[0], t) for f in args.prompts for t in read_prompts(f, args.max_prompts)]
     ids = [encode_prompt(tok, t) for _, t in prompts]
     longest = max(map(len, ids))
@@ -128,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {"source": source, "prompt": text[:80], "mode": mode, "new_tokens": s.new_tokens,
                    "tau": s.tau, "tokens_per_s": s.tokens_per_s, "ratio_to_ar": s.tokens_per_s / ar_tps,
                    "identical_to_ar": res.tokens[0] == ar_tokens, "buckets": s.buckets,
-                   "compilations_after_warmup": s.compilations_after_warmup, "steps": s.row_steps}
+                   "compilations_after_warmup": s.compilations_after_warmup, "steps": s.row_steps,
+                   "seconds": s.ttft_s + s.decode_s}
             rows.append(row)
             t = totals[mode]
             t["tokens"] += s.new_tokens
@@ -154,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": device, "date": datetime.date.today().isoformat(), "target": str(target_path),
             "drafter": args.drafter, "dtype": target.dtype.name, "max_new_tokens": args.max_new_tokens,
             "buckets": list(buckets), "prompt_files": [Path(f).name for f in args.prompts],
-            "prompts": len(prompts)}
+            "prompts": len(prompts), "commit": commit()}
     training = Path(args.drafter) / "training.json"
     if training.is_file():  # how the drafter was trained travels with its numbers
         meta["drafter_training"] = json.loads(training.read_text())
@@ -172,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "tau by prompt set:", "", "| set | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
     for src, taus in by_source.items():
         lines.append(f"| {src} | " + " | ".join(f"{taus[m]:.2f}" for m in modes) + " |")
+    sets = per_set(rows, modes)
+    lines += [""] + markdown_table(sets, modes)
+    write_csv(out_dir / f"{args.name}.csv", sets, modes)
+    plot(out_dir / f"{args.name}.png", sets, modes, f"{args.name}: {meta['device']}, {meta['date']}, {meta['commit']}")
     (out_dir / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -28,3 +28,7 @@ def test_harness_writes_results_and_all_modes_match_ar(tmp_path):
     assert "| bastion |" in table and "NO" not in table
     assert set(data["tau_by_source"]) == {"p"} and set(data["tau_by_source"]["p"]) == set(data["overall"])
     assert data["tau_by_source"]["p"]["ar"] == 1.0 and "tau by prompt set" in table
+    assert "best fixed in hindsight" in table and "*" in table.split("best fixed")[1]
+    csv_rows = (tmp_path / "out" / "tiny.csv").read_text().splitlines()
+    assert csv_rows[0] == "set,mode,tokens_per_s,tau,ratio_to_ar" and len(csv_rows) == 1 + 5
+    assert (tmp_path / "out" / "tiny.png").stat().st_size > 1000 and data["meta"]["commit"]

@@ -1,0 +1,106 @@
+"""Tables, CSV and a plot for `benchmarks.run`: per data set and mode, tokens/s, tau, the ratio to AR
+measured in the same run, and the best fixed budget in hindsight."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+from pathlib import Path
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+STANDARD_SETS = {  # name -> file in ../shared/data
+    "mt_bench": "mt_bench_questions.jsonl.gz",
+    "gsm8k_test": "gsm8k_test.jsonl.gz",
+    "math500": "math500_test.jsonl.gz",
+    "humaneval": "humaneval.jsonl.gz",
+    "mbpp": "mbpp.jsonl.gz",
+    "spec_bench": "spec_bench_questions.jsonl.gz",
+}
+
+
+def resolve_prompt_file(spec: str) -> str:
+    """A standard set's name (resolved in ../shared/data beside the checkout) or a JSONL(.gz) path."""
+    if spec in STANDARD_SETS:
+        path = SHARED_DATA / STANDARD_SETS[spec]
+        if not path.is_file():
+            raise SystemExit(f"error: standard set {spec} not found at {path}; pass its file path instead")
+        return str(path)
+    return spec
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def per_set(rows: list[dict], modes: list[str]) -> dict[str, dict[str, dict[str, float]]]:
+    """{set: {mode: {tokens_per_s, tau, ratio_to_ar}}} pooled over the set's prompts (tokens / seconds)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for src in dict.fromkeys(r["source"] for r in rows):
+        out[src] = {}
+        for m in modes:
+            mine = [r for r in rows if r["source"] == src and r["mode"] == m]
+            tokens, seconds = sum(r["new_tokens"] for r in mine), sum(r["seconds"] for r in mine)
+            steps = sum(r["steps"] for r in mine)
+            out[src][m] = {"tokens_per_s": tokens / seconds if seconds else 0.0,
+                           "tau": sum(r["tau"] * r["steps"] for r in mine) / steps if steps else 0.0}
+        ar = out[src]["ar"]["tokens_per_s"]
+        for m in modes:
+            out[src][m]["ratio_to_ar"] = out[src][m]["tokens_per_s"] / ar if ar else 0.0
+    return out
+
+
+def best_fixed(sets: dict, modes: list[str]) -> dict[str, str | None]:
+    """The fastest fixed:N per set, chosen in hindsight."""
+    fixed = [m for m in modes if m.startswith("fixed:")]
+    return {src: (max(fixed, key=lambda m: by_mode[m]["tokens_per_s"]) if fixed else None)
+            for src, by_mode in sets.items()}
+
+
+def write_csv(path: Path, sets: dict, modes: list[str]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["set", "mode", "tokens_per_s", "tau", "ratio_to_ar"])
+        for src, by_mode in sets.items():
+            for m in modes:
+                v = by_mode[m]
+                w.writerow([src, m, f"{v['tokens_per_s']:.3f}", f"{v['tau']:.3f}", f"{v['ratio_to_ar']:.3f}"])
+
+
+def markdown_table(sets: dict, modes: list[str]) -> list[str]:
+    best = best_fixed(sets, modes)
+    lines = ["tokens/s ratio to AR (tau) per set; best fixed in hindsight marked *:", "",
+             "| set | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    for src, by_mode in sets.items():
+        cells = [f"{by_mode[m]['ratio_to_ar']:.2f} ({by_mode[m]['tau']:.2f})" + ("*" if m == best[src] else "")
+                 for m in modes]
+        lines.append(f"| {src} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot(path: Path, sets: dict, modes: list[str], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = list(sets)
+    x = np.arange(len(names))
+    width = 0.8 / max(1, len(modes))
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2 + 1.6 * len(names)) * 1.6, 4.5))
+    for i, m in enumerate(modes):
+        axes[0].bar(x + i * width, [sets[s][m]["ratio_to_ar"] for s in names], width, label=m)
+        axes[1].bar(x + i * width, [sets[s][m]["tau"] for s in names], width, label=m)
+    axes[0].axhline(1.0, color="black", lw=0.8)
+    for ax, label in zip(axes, ("tokens/s / AR (same run)", "tau (committed tokens per step)")):
+        ax.set_xticks(x + width * (len(modes) - 1) / 2, names, rotation=20)
+        ax.set_ylabel(label)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
