@@ -1,7 +1,8 @@
 """Independent NumPy (float64) reference for one DFlash drafter forward pass.
 
-Written from the spec only (docs: bastion-dflash-spec.md, section A, esp. A.4); it deliberately
-imports nothing from ``bastion_jax`` so tests comparing against it are not circular.
+Written from the spec (docs: bastion-dflash-spec.md, section A, esp. A.4), z-lab's
+``dflash/model.py`` and HF Qwen3 / ``ACT2FN``; it deliberately imports nothing from ``bastion_jax``
+so tests comparing against it are not circular.
 
 Covered case: a single drafting call with an empty drafter cache (S_prev = 0). The context holds
 the target features of *all* committed tokens at absolute positions 0..n_c-1 and the root token
@@ -9,18 +10,28 @@ sits at position s = n_c. Because context K/V of a position depend only on that 
 row and index (not on the block or on other context rows), this single call also equals any
 multi-call sequence with a cache holding the same features (spec A.6).
 
-Conventions (HF Qwen3 / z-lab ``dflash/model.py``):
+Conventions (HF Qwen3 / z-lab ``dflash/model.py``, z-lab/dflash @ 44947fb):
   * RMSNorm(x; w, eps) = w * x / sqrt(mean(x**2, -1) + eps)
-  * linear: y = x @ W.T, W stored [out, in]
+  * linear: y = x @ W.T (+ b), W stored [out, in]; q/k/v/o_proj carry a bias b iff
+    ``attention_bias`` (HF Qwen3 attention), nothing else ever does (``fc``, Qwen3MLP)
+  * MLP: down(act(gate(v)) * up(v)), act = HF ``ACT2FN[hidden_act]`` (silu/swish, gelu (erf),
+    gelu_new / gelu_pytorch_tanh (tanh approximation), relu here; other names refused)
   * RoPE rotate-half: inv_freq_i = theta**(-2i/d), i < d/2; emb = concat(ang, ang);
     x*cos + rotate_half(x)*sin, rotate_half(x) = concat(-x[d/2:], x[:d/2])
   * GQA: query head j reads kv head j // (n_q // n_kv)
-  * attention has NO mask (block is bidirectional and sees every context key)
+  * attention has NO mask (block is bidirectional and sees every context key); sliding-window
+    layers are refused (see ``_check_supported``)
+
+Context features (``reference_context_features``): z-lab ``extract_context_feature`` concatenates HF
+``output_hidden_states[id + 1]`` over ``target_layer_ids``; HF's last entry is taken after the final
+norm, so a tap on the target's last layer reads normed states.
 
 Run ``python tests/dflash_reference.py`` for the self-checks.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -30,11 +41,20 @@ import numpy as np
 
 
 def _dflash_value(config: dict, name: str, default=None):
-    """z-lab `_draft_value`: prefer config['dflash_config'][name], then top level, then default."""
+    """config['dflash_config'][name], else the top-level name, else default; refuses a conflicting pair.
+
+    The order is SGLang's (``dflash_utils.resolve_dflash_block_size``: dflash_config first, then top
+    level, a warning on conflict). z-lab's ``dflash/model.py`` reads ``block_size`` only at the top
+    level and ``target_layer_ids`` / ``mask_token_id`` only in ``dflash_config``, so the two readers
+    agree whenever at most one place is set or both agree; a conflicting pair has no single meaning.
+    """
     sub = config.get("dflash_config") or {}
-    if name in sub:
-        return sub[name]
-    return config.get(name, default)
+    inner, outer = sub.get(name), config.get(name)
+    if inner is not None and outer is not None and inner != outer:
+        raise NotImplementedError(f"{name} conflicts: top level {outer!r} vs dflash_config {inner!r}")
+    if inner is not None:
+        return inner
+    return default if outer is None else outer
 
 
 def _rope_theta(config: dict) -> float:
@@ -54,16 +74,25 @@ def _check_supported(config: dict) -> None:
     params = config.get("rope_parameters") or {}
     if params.get("rope_type", "default") != "default":
         raise NotImplementedError(f"reference implements default RoPE only, got rope_parameters={params}")
-    if config.get("attention_bias", False):
-        raise NotImplementedError("attention_bias=True not implemented")
-    # knobs present in later z-lab/dflash versions; the spec'd commit has none of them
+    if config.get("hidden_act", "silu") not in _ACTS:
+        raise NotImplementedError(f"hidden_act={config['hidden_act']!r} not implemented")
+    # Knobs that would change the math if some reader honoured them. z-lab's dflash/model.py reads
+    # none of them; the reference refuses them rather than silently ignore them.
     if float(_dflash_value(config, "input_embedding_scale", 1.0)) != 1.0:
         raise NotImplementedError("input_embedding_scale != 1 not implemented")
     if float(_dflash_value(config, "output_multiplier", 1.0)) != 1.0:
         raise NotImplementedError("output_multiplier != 1 not implemented")
     if _dflash_value(config, "final_logit_softcapping") not in (None, 0, 0.0):
         raise NotImplementedError("final_logit_softcapping not implemented")
-    if _dflash_value(config, "is_causal") or "sliding_attention" in (config.get("layer_types") or []):
+    # z-lab passes `sliding_window` of a "sliding_attention" layer to the attention kernel with no mask:
+    # flash-attention applies a symmetric |i - j| < window band, SDPA/eager ignore it; SGLang makes such
+    # layers causal. No single semantics, so neither is implemented here.
+    use_sw = config.get("use_sliding_window", False)
+    types = config.get("layer_types") or [
+        "sliding_attention" if use_sw and config.get("sliding_window", 4096) is not None
+        and i >= config.get("max_window_layers", 28) else "full_attention"
+        for i in range(int(config["num_hidden_layers"]))]
+    if _dflash_value(config, "is_causal") or "sliding_attention" in types:
         raise NotImplementedError("causal / sliding-window drafter attention not implemented")
 
 
@@ -82,13 +111,26 @@ def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return w * (x / np.sqrt(var + eps))
 
 
-def _linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    # x [..., in], w [out, in]  ->  [..., out]
-    return x @ w.T
+def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    # x [..., in], w [out, in], b [out] or None  ->  [..., out]
+    return x @ w.T if b is None else x @ w.T + b
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+# HF ACT2FN semantics (transformers/activations.py), written out in float64.
+_ACTS = {
+    "silu": _silu,
+    "swish": _silu,
+    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),                     # GELUActivation (erf)
+    "gelu_new": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3))),
+    "gelu_pytorch_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3))),
+    "relu": lambda x: np.maximum(x, 0.0),
+}
 
 
 def _rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -146,7 +188,12 @@ def reference_draft_hidden(weights: dict[str, np.ndarray], config: dict, noise_e
     theta = _rope_theta(config)
     assert n_q % n_kv == 0, (n_q, n_kv)
     group = n_q // n_kv
+    act = _ACTS[config.get("hidden_act", "silu")]
     W = {k: _f64(v) for k, v in weights.items()}
+    bias = bool(config.get("attention_bias", False))
+
+    def proj(x, name):  # a q/k/v/o projection, with its bias iff attention_bias
+        return _linear(x, W[name + ".weight"], W[name + ".bias"] if bias else None)
 
     h = _f64(noise_embedding)              # [B, H]
     feats = _f64(context_features)         # [n_c, T*H]
@@ -171,11 +218,11 @@ def reference_draft_hidden(weights: dict[str, np.ndarray], config: dict, noise_e
         p = f"layers.{layer}."
         u = _rms_norm(h, W[p + "input_layernorm.weight"], eps)                  # [B, H]
 
-        q_all = _linear(u, W[p + "self_attn.q_proj.weight"])                    # [B, n_q*d]
-        k_all = np.concatenate([_linear(x_ctx, W[p + "self_attn.k_proj.weight"]),
-                                _linear(u, W[p + "self_attn.k_proj.weight"])], axis=0)   # [n_c+B, n_kv*d]
-        v_all = np.concatenate([_linear(x_ctx, W[p + "self_attn.v_proj.weight"]),
-                                _linear(u, W[p + "self_attn.v_proj.weight"])], axis=0)   # [n_c+B, n_kv*d]
+        q_all = proj(u, p + "self_attn.q_proj")                                  # [B, n_q*d]
+        k_all = np.concatenate([proj(x_ctx, p + "self_attn.k_proj"),
+                                proj(u, p + "self_attn.k_proj")], axis=0)        # [n_c+B, n_kv*d]
+        v_all = np.concatenate([proj(x_ctx, p + "self_attn.v_proj"),
+                                proj(u, p + "self_attn.v_proj")], axis=0)        # [n_c+B, n_kv*d]
 
         # keys / values per kv head: k_norm before RoPE, V untouched
         keys, values = [], []
@@ -195,12 +242,12 @@ def reference_draft_hidden(weights: dict[str, np.ndarray], config: dict, noise_e
             probs = _softmax(scores)
             head_outputs.append(probs @ values[g])                                # [B, d]
         attn = np.concatenate(head_outputs, axis=-1)                              # [B, n_q*d]
-        h = h + _linear(attn, W[p + "self_attn.o_proj.weight"])                   # [B, H]
+        h = h + proj(attn, p + "self_attn.o_proj")                                # [B, H]
 
         v = _rms_norm(h, W[p + "post_attention_layernorm.weight"], eps)           # [B, H]
         gate = _linear(v, W[p + "mlp.gate_proj.weight"])                          # [B, I]
         up = _linear(v, W[p + "mlp.up_proj.weight"])                              # [B, I]
-        h = h + _linear(_silu(gate) * up, W[p + "mlp.down_proj.weight"])          # [B, H]
+        h = h + _linear(act(gate) * up, W[p + "mlp.down_proj.weight"])            # [B, H]
 
     # 4. final norm
     return _rms_norm(h, W["norm.weight"], eps)                                    # [B, H]
@@ -233,6 +280,15 @@ def reference_draft_logits(weights: dict[str, np.ndarray], config: dict, target_
     return _linear(hidden[1:], head)                                              # [B-1, V]
 
 
+def reference_context_features(hidden_states, layer_ids) -> np.ndarray:
+    """z-lab ``extract_context_feature``: concat of ``hidden_states[id + 1]`` over ``layer_ids``.
+
+    ``hidden_states`` is HF's ``output_hidden_states`` tuple (index 0 = embeddings, index L = the last
+    layer's output after the final norm), each [..., T, H]; returns [..., T, len(layer_ids) * H].
+    """
+    return np.concatenate([_f64(hidden_states[i + 1]) for i in layer_ids], axis=-1)
+
+
 # ----------------------------------------------------------------------------------------------
 # random tiny drafter
 # ----------------------------------------------------------------------------------------------
@@ -247,8 +303,9 @@ def _build_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
 
 def random_zlab_drafter(rng: np.random.Generator, *, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8,
                         intermediate=64, n_taps=2, vocab=50, block_size=4, mask_token_id=49,
-                        theta=10000.0) -> tuple[dict, dict]:
-    """(config, weights) of a random z-lab-format drafter (weights float32, keys without `model.`)."""
+                        theta=10000.0, attention_bias=False, hidden_act="silu") -> tuple[dict, dict]:
+    """(config, weights) of a random z-lab-format drafter (weights float32, keys without `model.`);
+    with `attention_bias` each q/k/v/o_proj also gets a random `.bias`."""
     num_target_layers = max(8, 2 * n_taps + 4)
     config = {
         "architectures": ["DFlashDraftModel"],
@@ -260,13 +317,13 @@ def random_zlab_drafter(rng: np.random.Generator, *, hidden=32, layers=2, heads=
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "intermediate_size": intermediate,
-        "hidden_act": "silu",
+        "hidden_act": hidden_act,
         "vocab_size": vocab,
         "rms_norm_eps": 1e-6,
         "rope_theta": theta,
         "rope_scaling": None,
         "max_position_embeddings": 4096,
-        "attention_bias": False,
+        "attention_bias": attention_bias,
         "attention_dropout": 0.0,
         "layer_types": ["full_attention"] * layers,
         "use_sliding_window": False,
@@ -305,6 +362,10 @@ def random_zlab_drafter(rng: np.random.Generator, *, hidden=32, layers=2, heads=
         weights[p + "mlp.gate_proj.weight"] = mat(intermediate, hidden)
         weights[p + "mlp.up_proj.weight"] = mat(intermediate, hidden)
         weights[p + "mlp.down_proj.weight"] = mat(hidden, intermediate)
+        if attention_bias:
+            for name, dim in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim),
+                              ("o", hidden)):
+                weights[p + f"self_attn.{name}_proj.bias"] = (0.3 * rng.standard_normal(dim)).astype(np.float32)
     return config, weights
 
 
@@ -322,6 +383,22 @@ def _vectorised_draft_hidden(weights, config, noise_embedding, context_features,
     nq, nkv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     eps = config["rms_norm_eps"]
     theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]
+    zero = np.zeros(1)
+
+    def b(name):  # bias or 0 (attention_bias absent -> no bias keys at all)
+        return W.get(name + ".bias", zero) if config.get("attention_bias") else zero
+
+    def sig(z):
+        return 0.5 + 0.5 * np.tanh(0.5 * z)
+
+    c = math.sqrt(2.0 / math.pi)
+    act = {  # same functions as _ACTS, written differently (sigmoid / erfc forms)
+        "silu": lambda g: g * sig(g), "swish": lambda g: g * sig(g),
+        "gelu": lambda g: 0.5 * g * np.vectorize(math.erfc)(-g / math.sqrt(2.0)),
+        "gelu_new": lambda g: g * sig(2 * c * (g + 0.044715 * g ** 3)),
+        "gelu_pytorch_tanh": lambda g: g * sig(2 * c * (g + 0.044715 * g ** 3)),
+        "relu": lambda g: g * (g > 0),
+    }[config.get("hidden_act", "silu")]
 
     def rms(x, w):
         return w * x * (np.mean(x ** 2, axis=-1, keepdims=True) + eps) ** -0.5
@@ -339,9 +416,10 @@ def _vectorised_draft_hidden(weights, config, noise_embedding, context_features,
         p = f"layers.{i}."
         u = rms(h, W[p + "input_layernorm.weight"])
         both = np.concatenate([xc, u], axis=0)                                     # [n_c+B, H]
-        q = np.einsum("bh,oh->bo", u, W[p + "self_attn.q_proj.weight"]).reshape(B, nq, d)
-        k = np.einsum("th,oh->to", both, W[p + "self_attn.k_proj.weight"]).reshape(-1, nkv, d)
-        v = np.einsum("th,oh->to", both, W[p + "self_attn.v_proj.weight"]).reshape(-1, nkv, d)
+        a = p + "self_attn."
+        q = (np.einsum("bh,oh->bo", u, W[a + "q_proj.weight"]) + b(a + "q_proj")).reshape(B, nq, d)
+        k = (np.einsum("th,oh->to", both, W[a + "k_proj.weight"]) + b(a + "k_proj")).reshape(-1, nkv, d)
+        v = (np.einsum("th,oh->to", both, W[a + "v_proj.weight"]) + b(a + "v_proj")).reshape(-1, nkv, d)
         q = rope(rms(q, W[p + "self_attn.q_norm.weight"]), block_positions)
         k = rope(rms(k, W[p + "self_attn.k_norm.weight"]), kpos)
         k = np.repeat(k, nq // nkv, axis=1)                                        # [T, nq, d]
@@ -350,10 +428,10 @@ def _vectorised_draft_hidden(weights, config, noise_embedding, context_features,
         m = s.max(-1, keepdims=True)
         lse = m + np.log(np.exp(s - m).sum(-1, keepdims=True))
         o = np.einsum("nbt,tnd->bnd", np.exp(s - lse), v).reshape(B, nq * d)
-        h = h + o @ W[p + "self_attn.o_proj.weight"].T
+        h = h + o @ W[p + "self_attn.o_proj.weight"].T + b(p + "self_attn.o_proj")
         vv = rms(h, W[p + "post_attention_layernorm.weight"])
         g = vv @ W[p + "mlp.gate_proj.weight"].T
-        h = h + ((g * (0.5 + 0.5 * np.tanh(0.5 * g))) * (vv @ W[p + "mlp.up_proj.weight"].T)) @ W[p + "mlp.down_proj.weight"].T
+        h = h + (act(g) * (vv @ W[p + "mlp.up_proj.weight"].T)) @ W[p + "mlp.down_proj.weight"].T
     return rms(h, W["norm.weight"])
 
 
@@ -365,6 +443,9 @@ def _self_check() -> None:
              block_size=5, mask_token_id=3, theta=1e6),
         dict(heads=4, kv_heads=4, n_taps=1, block_size=2),   # MHA, single tap, one draft slot
         dict(heads=8, kv_heads=1, head_dim=4, block_size=16),  # MQA
+        dict(attention_bias=True, hidden_act="gelu"),
+        dict(attention_bias=True, hidden_act="gelu_pytorch_tanh", kv_heads=1),
+        dict(hidden_act="relu"),
     ]
     for kw in cases:
         config, weights = random_zlab_drafter(rng, **kw)
@@ -431,6 +512,32 @@ def _self_check() -> None:
     feats = rng.standard_normal((5, 64))
     assert np.array_equal(reference_draft_logits(weights, config, embed, head, feats, 7),
                           reference_draft_logits(weights, alt, embed, head, feats, 7))
+    # attention biases and the activation really enter the output
+    config, weights = random_zlab_drafter(rng, attention_bias=True, hidden_act="gelu")
+    embed, head = rng.standard_normal((50, 32)), rng.standard_normal((50, 32))
+    feats = rng.standard_normal((5, 64))
+    base = reference_draft_logits(weights, config, embed, head, feats, 7)
+    for name in ("q", "k", "v", "o"):
+        w2 = dict(weights)
+        w2[f"layers.0.self_attn.{name}_proj.bias"] = 0 * w2[f"layers.0.self_attn.{name}_proj.bias"]
+        assert np.max(np.abs(reference_draft_logits(w2, config, embed, head, feats, 7) - base)) > 1e-6, name
+    for other in ("silu", "gelu_new", "relu"):
+        moved = reference_draft_logits(weights, dict(config, hidden_act=other), embed, head, feats, 7)
+        assert np.max(np.abs(moved - base)) > 1e-6, other
+
+    # block_size in either place; a conflicting pair and sliding layers are refused
+    top = dict(config, block_size=4)
+    nested = {k: v for k, v in top.items() if k != "block_size"}
+    nested["dflash_config"] = dict(config["dflash_config"], block_size=4)
+    assert np.array_equal(reference_draft_logits(weights, top, embed, head, feats, 7),
+                          reference_draft_logits(weights, nested, embed, head, feats, 7))
+    for bad in (dict(nested, block_size=5), dict(config, layer_types=["sliding_attention", "full_attention"]),
+                dict(config, layer_types=None, use_sliding_window=True, sliding_window=8, max_window_layers=1)):
+        try:
+            reference_draft_logits(weights, bad, embed, head, feats, 7)
+        except NotImplementedError:
+            continue
+        raise AssertionError(f"not refused: {bad}")
     print("dflash_reference self-check OK")
 
 

@@ -1,5 +1,7 @@
 """Config parsing: HF target configs in both rope spellings, z-lab drafter config variants."""
 
+import re
+
 import pytest
 
 from bastion_jax.config import ConfigError, DrafterConfig, RopeConfig, TargetConfig, default_target_layer_ids
@@ -33,16 +35,96 @@ ZLAB = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=
             rms_norm_eps=1e-6, rope_theta=1e6, num_target_layers=32)
 
 
-@pytest.mark.parametrize("variant", ["top_level_block", "nested_block"])
-def test_drafter_block_size_at_top_level_or_in_dflash_config(variant):
-    hf = dict(ZLAB)
-    if variant == "top_level_block":
-        hf.update(block_size=16, dflash_config=dict(mask_token_id=127))
-    else:
-        hf.update(dflash_config=dict(mask_token_id=127, block_size=10))
+@pytest.mark.parametrize("top,nested,expect", [(16, None, 16), (None, 10, 10), (12, 12, 12)])
+def test_drafter_block_size_at_top_level_or_in_dflash_config(top, nested, expect):
+    """z-lab's model.py reads the top-level block_size, SGLang prefers dflash_config.block_size:
+    either spelling alone (or both agreeing) means the same block size."""
+    hf = dict(ZLAB, dflash_config=dict(mask_token_id=127))
+    if top is not None:
+        hf["block_size"] = top
+    if nested is not None:
+        hf["dflash_config"]["block_size"] = nested
     cfg = DrafterConfig.from_hf(hf)
-    assert cfg.block_size == (16 if variant == "top_level_block" else 10)
+    assert cfg.block_size == expect
     assert cfg.target_layer_ids == (1, 8, 15, 22, 29)  # default rule: 32 target layers, 5 drafter layers
+
+
+@pytest.mark.parametrize("name,top,nested", [("block_size", 16, 10), ("target_layer_ids", [1, 2], [3, 4]),
+                                             ("mask_token_id", 126, 127), ("num_target_layers", 32, 30)])
+def test_drafter_field_spelled_twice_differently_is_refused(name, top, nested):
+    """The two readers would disagree on a conflicting pair, so it is one clear error naming both."""
+    hf = dict(ZLAB, block_size=16, dflash_config=dict(mask_token_id=127))
+    hf[name] = top
+    hf["dflash_config"][name] = nested
+    message = f"{name}={top!r} at top level but dflash_config.{name}={nested!r}"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        DrafterConfig.from_hf(hf)
+
+
+def _zlab(**fields):
+    return {**ZLAB, "block_size": 16, "dflash_config": dict(mask_token_id=127), **fields}
+
+
+@pytest.mark.parametrize("act", ["silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu"])
+def test_drafter_activation_and_bias_are_read_and_round_trip(act):
+    cfg = DrafterConfig.from_hf(_zlab(hidden_act=act, attention_bias=True))
+    assert cfg.hidden_act == act and cfg.attention_bias
+    assert DrafterConfig.from_hf(cfg.to_hf()) == cfg
+    assert DrafterConfig.from_hf(_zlab()).attention_bias is False
+
+
+def test_drafter_activations_cover_exactly_the_implemented_ones():
+    from bastion_jax.config import DRAFTER_ACTIVATIONS
+    from bastion_jax.modeling.layers import ACTIVATIONS
+
+    assert set(ACTIVATIONS) == set(DRAFTER_ACTIVATIONS)
+
+
+@pytest.mark.parametrize("fields,needle", [
+    (dict(hidden_act="gelu_fast"), "hidden_act 'gelu_fast'"),
+    (dict(hidden_act="quick_gelu"), "hidden_act 'quick_gelu'"),
+    (dict(layer_types=["full_attention"] * 4 + ["sliding_attention"], use_sliding_window=True,
+          sliding_window=64), "layer 4 is sliding_attention"),
+    # no layer_types: Qwen3Config derives sliding layers from index max_window_layers on
+    (dict(use_sliding_window=True, sliding_window=64, max_window_layers=3), "layer 3 is sliding_attention"),
+    (dict(layer_types=["full_attention"] * 4), "one type per layer"),
+    (dict(layer_types=["full_attention"] * 4 + ["chunked_attention"]), "layer_types\\[4\\]='chunked_attention'"),
+    (dict(is_causal=True), "is_causal"),
+    (dict(dflash_config=dict(mask_token_id=127, output_multiplier=2.0)), "dflash_config.output_multiplier"),
+    (dict(dflash_config=dict(mask_token_id=127, target_layer_ids=[])), "target_layer_ids"),
+    (dict(num_key_value_heads=3), "num_key_value_heads=3"),
+])
+def test_drafter_fields_we_cannot_honour_are_refused_by_name(fields, needle):
+    with pytest.raises(ConfigError, match=needle) as e:
+        DrafterConfig.from_hf(_zlab(**fields))
+    assert "\n" not in str(e.value)
+
+
+def test_drafter_fields_that_change_nothing_are_accepted():
+    """Full-attention layer_types (the Qwen3-8B drafter's), a window that no layer uses, and the
+    fields the drafting path never reads (see config.py's field list) parse to the same config."""
+    base = DrafterConfig.from_hf(_zlab())
+    harmless = _zlab(layer_types=["full_attention"] * 5, use_sliding_window=False, sliding_window=None,
+                     max_window_layers=28, tie_word_embeddings=True, mlp_bias=True, attention_dropout=0.1,
+                     max_position_embeddings=40960, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+                     initializer_range=0.02, use_cache=True, transformers_version="4.57.1")
+    assert DrafterConfig.from_hf(harmless) == base
+    # a window is set, but max_window_layers >= 5 keeps every drafter layer full (Qwen3Config's rule)
+    assert DrafterConfig.from_hf(_zlab(use_sliding_window=True, sliding_window=64)) == base
+    # layer_types listing sliding layers without use_sliding_window is still refused (readers disagree)
+    with pytest.raises(ConfigError, match="sliding_attention"):
+        DrafterConfig.from_hf(_zlab(layer_types=["sliding_attention"] * 5))
+
+
+def test_drafter_absent_shape_fields_take_qwen3config_defaults():
+    """z-lab builds the drafter from a Qwen3Config: an absent head_dim is 128 (not hidden // heads),
+    an absent num_key_value_heads is 32 and a null one means num_attention_heads."""
+    hf = {k: v for k, v in _zlab().items() if k not in ("head_dim", "num_key_value_heads")}
+    with pytest.raises(ConfigError, match="num_key_value_heads=32 \\(Qwen3Config's default"):
+        DrafterConfig.from_hf(hf)
+    cfg = DrafterConfig.from_hf(dict(hf, num_key_value_heads=None))
+    assert (cfg.head_dim, cfg.num_key_value_heads) == (128, 4)
+    assert DrafterConfig.from_hf(dict(hf, num_attention_heads=32)).num_key_value_heads == 32
 
 
 def test_drafter_missing_mask_id_is_named():

@@ -1,7 +1,9 @@
 """DFlash drafter and chain speculative decoding.
 
-Drafter forward vs an independent NumPy reference; T=0 output token-identical to AR for random,
-oracle and half-right drafters; T>0 sampling distribution equals the target's; pair validation.
+Drafter forward vs an independent NumPy reference (incl. z-lab's attention_bias and hidden_act
+variants), taps on the target's last layer vs transformers' hidden_states; T=0 output token-identical
+to AR for random, oracle and half-right drafters; T>0 sampling distribution equals the target's;
+pair validation.
 """
 
 import json
@@ -10,14 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from dflash_reference import random_zlab_drafter, reference_draft_logits
+from dflash_reference import random_zlab_drafter, reference_context_features, reference_draft_logits
 from flax import nnx
 from safetensors.numpy import save_file
 
 from bastion_jax.checkpoint import CheckpointError, load_drafter, random_drafter
 from bastion_jax.config import TargetConfig
 from bastion_jax.engine import Engine
-from bastion_jax.modeling.cache import KVCache
+from bastion_jax.modeling.cache import KVCache, causal_mask
 from bastion_jax.sampling import SamplingConfig
 from bastion_jax.testing import greedy_continuation, next_token_probs, pair_chi_square, tiny_drafter_config, two_token_law
 from checkpoints_convert import convert
@@ -37,32 +39,97 @@ def _write_zlab(directory, cfg: dict, weights: dict, prefix: str = ""):
     return directory
 
 
-@pytest.mark.parametrize("prefix", ["", "model."])
-def test_drafter_forward_matches_numpy_reference_across_cached_calls(tmp_path, prefix):
-    """Context injected over two calls (with padding) == one reference call over all features."""
-    rng = np.random.default_rng(0)
-    zcfg, weights = random_zlab_drafter(rng, block_size=5)
-    drafter = load_drafter(_write_zlab(tmp_path / "z", zcfg, weights, prefix), _target_cfg_for(zcfg), jnp.float32)
+def _draft_twice(drafter, zcfg: dict, embed, lm_head, feats, split: int):
+    """Our drafter over two cached calls: context feats[:split] (root 3), then feats[split:] (root 17)."""
     model = nnx.merge(drafter.graphdef, drafter.state)
-    v, h = zcfg["vocab_size"], zcfg["hidden_size"]
-    embed = rng.normal(size=(v, h)).astype(np.float32)
-    lm_head = rng.normal(size=(v, h)).astype(np.float32)
-    n_c, split, pad = 11, 7, 8
-    feats = rng.normal(size=(n_c, 2 * h)).astype(np.float32)
+    pad, f = 8, feats.shape[1]
     cache = KVCache.create(drafter.config, 1, 32, jnp.float32)
+    block = zcfg["block_size"]
 
     def call(ctx, ctx_start, root, cache):
-        c = np.zeros((1, pad, 2 * h), np.float32)
+        c = np.zeros((1, pad, f), np.float32)
         c[0, : len(ctx)] = ctx
-        block = np.array([root] + [zcfg["dflash_config"]["mask_token_id"]] * 4)
-        out, cache = model(jnp.asarray(embed[block][None]), jnp.asarray(c), jnp.array([ctx_start]),
+        ids = np.array([root] + [zcfg["dflash_config"]["mask_token_id"]] * (block - 1))
+        out, cache = model(jnp.asarray(embed[ids][None]), jnp.asarray(c), jnp.array([ctx_start]),
                            jnp.array([len(ctx)]), cache)
         return np.asarray(out)[0, 1:] @ lm_head.T, cache
 
     _, cache = call(feats[:split], 0, 3, cache)
-    got, _ = call(feats[split:], split, 17, cache)
+    return call(feats[split:], split, 17, cache)[0]
+
+
+@pytest.mark.parametrize("prefix,variant", [
+    ("", {}), ("model.", {}),
+    # z-lab fields beyond the Qwen3-8B drafter's: biased q/k/v/o (attention_bias) and HF ACT2FN activations
+    ("", dict(attention_bias=True)), ("", dict(attention_bias=True, hidden_act="gelu")),
+    ("model.", dict(hidden_act="gelu_pytorch_tanh")), ("", dict(hidden_act="relu")),
+])
+def test_drafter_forward_matches_numpy_reference_across_cached_calls(tmp_path, prefix, variant):
+    """Context injected over two calls (with padding) == one reference call over all features."""
+    rng = np.random.default_rng(0)
+    zcfg, weights = random_zlab_drafter(rng, block_size=5, **variant)
+    drafter = load_drafter(_write_zlab(tmp_path / "z", zcfg, weights, prefix), _target_cfg_for(zcfg), jnp.float32)
+    assert (drafter.config.attention_bias, drafter.config.hidden_act) == (zcfg["attention_bias"], zcfg["hidden_act"])
+    v, h = zcfg["vocab_size"], zcfg["hidden_size"]
+    embed = rng.normal(size=(v, h)).astype(np.float32)
+    lm_head = rng.normal(size=(v, h)).astype(np.float32)
+    feats = rng.normal(size=(11, 2 * h)).astype(np.float32)
+    got = _draft_twice(drafter, zcfg, embed, lm_head, feats, split=7)
     ref = reference_draft_logits(weights, zcfg, embed, lm_head, feats, 17)
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu"])
+def test_drafter_activations_are_hf_act2fn(name):
+    """Each supported hidden_act is the function transformers' ACT2FN gives that name (gelu exact vs
+    tanh differ by up to ~5e-4 here, far above the tolerance)."""
+    import torch
+    from transformers.activations import ACT2FN
+
+    from bastion_jax.modeling.layers import ACTIVATIONS
+
+    x = np.linspace(-6.0, 6.0, 241, dtype=np.float32)
+    ref = ACT2FN[name](torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(np.asarray(ACTIVATIONS[name](jnp.asarray(x))), ref, atol=2e-6, rtol=0)
+
+
+def test_zlab_biases_and_activation_survive_export_and_convert(tmp_path):
+    """A biased gelu drafter read from z-lab files, exported again and converted, is the same drafter."""
+    rng = np.random.default_rng(1)
+    zcfg, weights = random_zlab_drafter(rng, attention_bias=True, hidden_act="gelu_new")
+    target_cfg = _target_cfg_for(zcfg)
+    first = load_drafter(_write_zlab(tmp_path / "z", zcfg, weights), target_cfg, jnp.float32)
+    export_zlab(first.config, first.state, tmp_path / "again", dtype=jnp.float32)
+    convert(tmp_path / "again", tmp_path / "ours", dtype="float32")
+    exported = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert (exported["attention_bias"], exported["hidden_act"]) == (True, "gelu_new")
+    for path in (tmp_path / "again", tmp_path / "ours"):
+        back = load_drafter(path, target_cfg, jnp.float32)
+        assert back.config == first.config
+        np.testing.assert_array_equal(np.asarray(back.state["layers"][1]["self_attn"]["o_proj"]["bias"][...]),
+                                      weights["layers.1.self_attn.o_proj.bias"])
+        for a, b in zip(jax.tree.leaves(first.state), jax.tree.leaves(back.state)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama3"])
+def test_tap_on_last_target_layer_is_hf_hidden_state_after_final_norm(converted, arch):
+    """z-lab reads HF hidden_states[id + 1]; for the last layer that entry is after model.norm.
+    Our taps (last layer first, then layer 0) equal the reference built from transformers' own
+    output_hidden_states; a raw (un-normed) last-layer tap fails this."""
+    import torch
+
+    hf, target = converted(arch)
+    ids = np.random.default_rng(2).integers(0, hf.config.vocab_size, (1, 9))
+    with torch.no_grad():
+        hs = [h.numpy() for h in hf(torch.as_tensor(ids), output_hidden_states=True).hidden_states]
+    last = target.config.num_hidden_layers - 1
+    taps = (last, 0)
+    model = nnx.merge(target.graphdef, target.state)
+    start = jnp.zeros(1, jnp.int32)
+    out = model(jnp.asarray(ids), jnp.arange(9)[None], KVCache.create(target.config, 1, 16, jnp.float32), start,
+                causal_mask(start, 9, 16), tap_layers=taps)
+    np.testing.assert_allclose(np.asarray(out.taps), reference_context_features(hs, taps), atol=1e-4, rtol=1e-4)
 
 
 def test_zlab_export_convert_roundtrip(tmp_path, converted):

@@ -5,9 +5,9 @@ Attribute names mirror the z-lab checkpoint keys (`fc`, `hidden_norm`, `layers.i
 
 Context ("KV injection"): the tapped target features of committed tokens are projected once
 (`fc` -> `hidden_norm`) and every layer turns them into extra keys/values with its own
-`k_proj`/`v_proj`/`k_norm`. Those context K/V are kept in a preallocated cache by absolute
-position; the block's own K/V are transient. The block `[root, MASK x (B-1)]` attends
-bidirectionally to itself and to every committed context position.
+`k_proj`/`v_proj`/`k_norm` (with their biases when `attention_bias`). Those context K/V are kept
+in a preallocated cache by absolute position; the block's own K/V are transient. The block
+`[root, MASK x (B-1)]` attends bidirectionally to itself and to every committed context position.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from bastion_jax.modeling.layers import MLP, Linear, RMSNorm, apply_rope, attend
 class DrafterAttention(nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         h, hq, hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(h, hq * d, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(h, hkv * d, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(h, hkv * d, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(hq * d, h, dtype=dtype, rngs=rngs)
+        bias = cfg.attention_bias  # Qwen3 attention: all four projections carry a bias, or none does
+        self.q_proj = Linear(h, hq * d, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(h, hkv * d, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(h, hkv * d, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(hq * d, h, use_bias=bias, dtype=dtype, rngs=rngs)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.heads = (hq, hkv, d)
@@ -61,7 +62,7 @@ class DrafterLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = DrafterAttention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, dtype=dtype, rngs=rngs)
 
     def __call__(self, h, rope_blk, ctx_k, ctx_v, mask):
         h = h + self.self_attn(self.input_layernorm(h), rope_blk, ctx_k, ctx_v, mask)

@@ -6,6 +6,9 @@ checkpoint conversion is a pure rename; XLA folds the transpose into the matmul.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,17 +64,29 @@ class RMSNorm(nnx.Module):
         return w * xf.astype(x.dtype)
 
 
-class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+# HF `ACT2FN` names -> the same function: "gelu" is the exact erf form, "gelu_new" and
+# "gelu_pytorch_tanh" the tanh approximation, "swish" is silu. Keys == config.DRAFTER_ACTIVATIONS.
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu, "swish": jax.nn.silu,
+    "gelu": partial(jax.nn.gelu, approximate=False),
+    "gelu_new": partial(jax.nn.gelu, approximate=True),
+    "gelu_pytorch_tanh": partial(jax.nn.gelu, approximate=True),
+    "relu": jax.nn.relu,
+}
 
-    def __init__(self, hidden: int, intermediate: int, *, use_bias: bool = False,
+
+class MLP(nnx.Module):
+    """Gated feed-forward down(act(gate(x)) * up(x)) as HF's Llama/Qwen3 MLP; act = silu is SwiGLU."""
+
+    def __init__(self, hidden: int, intermediate: int, *, use_bias: bool = False, act: str = "silu",
                  dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
         self.gate_proj = Linear(hidden, intermediate, use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(hidden, intermediate, use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(intermediate, hidden, use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.act = act  # a name (static, hashable), looked up in ACTIVATIONS
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

@@ -68,7 +68,7 @@ class DecoderLayer(nnx.Module):
 class ForwardOutput(NamedTuple):
     logits: jax.Array  # [batch, n_logits, vocab] (fp32)
     cache: KVCache
-    taps: jax.Array | None  # [batch, seq, n_taps * hidden]: raw outputs of the tapped layers
+    taps: jax.Array | None  # [batch, seq, n_taps * hidden]: HF hidden_states[id + 1] of the taps
 
 
 class Transformer(nnx.Module):
@@ -99,8 +99,9 @@ class Transformer(nnx.Module):
         `start[b] + i` and attending with `mask` `[batch, t, max_len]`.
 
         `logits_index` `[batch, n]` picks which of the t positions get logits (prefill only needs
-        the last real one); None means all. `tap_layers` returns raw outputs of those decoder
-        layers (0-based), concatenated in the given order: the DFlash feature tap.
+        the last real one); None means all. `tap_layers` returns the outputs of those decoder
+        layers (0-based; the last one after the final norm, as HF's `hidden_states`), concatenated in
+        the given order: the DFlash feature tap.
         """
         x = self.embed_tokens(tokens)  # [b, t, hidden]
         inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim)  # trace-time constant
@@ -113,6 +114,11 @@ class Transformer(nnx.Module):
             if i in tap_layers:
                 taps[i] = x
         x = self.norm(x)
+        last = len(self.layers) - 1
+        if last in tap_layers:
+            # DFlash taps are HF `hidden_states[id + 1]` (z-lab `extract_context_feature`), and HF's last
+            # entry is taken after the final norm: a tap on the last layer reads the normed states.
+            taps[last] = x
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[..., None], axis=1)  # [b, n, hidden]
         tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
