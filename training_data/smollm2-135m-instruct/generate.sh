@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Drafter v2 training data for SmolLM2-135M-Instruct (issue 13): the target's own greedy and T=0.7
+# responses to training-split prompts, stdlib prompts and Magpie self-written prompts.
+# Resumable: restores the committed progress into runs/data/ first, then `data` continues it.
+# When done (or before a session ends): pack again and commit the .npz files here.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+here=training_data/smollm2-135m-instruct
+D=../shared/data
+mkdir -p runs/data
+for kind in greedy t07; do
+  if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
+    python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
+  fi
+  if [ -f $here/magpie_prompts.jsonl.gz ] && [ ! -f runs/data/$kind.jsonl.magpie.jsonl ]; then
+    gunzip -c $here/magpie_prompts.jsonl.gz > runs/data/$kind.jsonl.magpie.jsonl
+  fi
+done
+common="--sources $D/gsm8k_train.jsonl.gz $D/code_alpaca_2k.jsonl.gz --max-new-tokens 256 --batch-size 48 --stdlib 400 --magpie 1000"
+python -m bastion_jax.train_drafter data --out runs/data/greedy.jsonl --num 3200 --seed 1 $common
+python -m bastion_jax.train_drafter pack --data runs/data/greedy.jsonl --out $here/greedy.npz --vocab-size 49152
+python -m bastion_jax.train_drafter data --out runs/data/t07.jsonl --num 3200 --seed 2 --temperature 0.7 $common
+python -m bastion_jax.train_drafter pack --data runs/data/t07.jsonl --out $here/t07.npz --vocab-size 49152
