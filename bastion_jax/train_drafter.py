@@ -79,6 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=int, default=200)
     t.add_argument("--eval-every", type=int, default=0)
     t.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    t.add_argument("--draft-vocab", default="auto", help="score the loss over the N most frequent tokens of the "
+                   "training responses (FR-Spec; labels outside get no loss), 0 = the full vocabulary; auto: "
+                   "8192 when the vocabulary is larger (default), as generate --draft-vocab auto drafts")
+    t.add_argument("--matmul-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="drafter dense-layer products: bfloat16 operands accumulated in float32 (default; "
+                   "master weights, norms and softmax stay float32) or float32 throughout")
+    t.add_argument("--no-feature-cache", action="store_true", help="recompute target features every step "
+                   "instead of keeping them under OUT/features (for data seen only once)")
+    t.add_argument("--init-from-target", action="store_true", help="initialise the drafter's layers from the "
+                   "target's last layers (its fc stays random)")
     return p
 
 
@@ -116,18 +126,37 @@ def run_data(args, target, log) -> None:
     log(f"wrote {n} sequences to {args.out}")
 
 
+def draft_vocab_size(spec: str, vocab_size: int) -> int:
+    """--draft-vocab: auto (8192 when the vocabulary is larger, else full), 0 (full) or a token count."""
+    from bastion_jax.speculative import DEFAULT_DRAFT_VOCAB
+
+    if spec == "auto":
+        return DEFAULT_DRAFT_VOCAB if vocab_size > DEFAULT_DRAFT_VOCAB else 0
+    try:
+        n = int(spec)
+    except ValueError:
+        raise ValueError(f"--draft-vocab must be auto or a token count (0 = full), got {spec!r}") from None
+    if n < 0:
+        raise ValueError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {n}")
+    return 0 if n >= vocab_size else n
+
+
 def run_train(args, target, log) -> None:
     import jax
     import jax.numpy as jnp
 
     from bastion_jax.checkpoint import load_drafter, random_drafter
-    from bastion_jax.training import TokenDataset, TrainConfig, Trainer
+    from bastion_jax.training import TokenDataset, TrainConfig, Trainer, init_from_target, save_ranking
     from checkpoints_convert.dflash import export_zlab
 
+    if args.init and args.init_from_target:
+        raise ValueError("--init and --init-from-target both choose the starting weights; pass one")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, num_anchors=args.anchors,
                       lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
                       max_grad_norm=args.max_grad_norm, gamma=args.gamma, seed=args.seed, log_every=args.log_every,
-                      save_every=args.save_every, eval_every=args.eval_every)
+                      save_every=args.save_every, eval_every=args.eval_every,
+                      draft_vocab=draft_vocab_size(args.draft_vocab, target.config.vocab_size),
+                      matmul_dtype=args.matmul_dtype, cache_features=not args.no_feature_cache)
     data = TokenDataset.from_files(args.data, cfg.seq_len, target.config.vocab_size)
     train, val = data.split(args.held_out)
     if args.init:
@@ -136,18 +165,26 @@ def run_train(args, target, log) -> None:
         dcfg = drafter_config(target.config, args)
         dcfg.check_pair(target.config)
         drafter = random_drafter(dcfg, seed=args.seed)
+        if args.init_from_target:
+            drafter = init_from_target(drafter, target)
     d = drafter.config
     log(f"drafter: {d.num_hidden_layers} layers, taps {list(d.target_layer_ids)}, block {d.block_size}, "
         f"{sum(x.size for x in jax.tree.leaves(drafter.state)) / 1e6:.1f}M params | "
-        f"data: {len(train)} train / {len(val)} val sequences of <= {cfg.seq_len} tokens")
+        f"data: {len(train)} train / {len(val)} val sequences of <= {cfg.seq_len} tokens | loss vocabulary: "
+        f"{cfg.draft_vocab or 'full'} | matmuls: {cfg.matmul_dtype}")
     out = Path(args.out)
     t0 = time.perf_counter()
-    trained = Trainer(target, drafter, cfg, out, log=log).fit(train, val if len(val) else None,
-                                                             progress=not args.quiet)
+    trainer = Trainer(target, drafter, cfg, out, log=log)
+    trained = trainer.fit(train, val if len(val) else None, progress=not args.quiet)
     export = export_zlab(d, trained.state, out / "drafter", getattr(jnp, args.export_dtype))
+    save_ranking(export, trainer.ranking)  # what generate --draft-vocab reads beside config.json
     (out / "drafter" / "training.json").write_text(json.dumps(
         {"train_config": dataclasses.asdict(cfg), "data": [str(p) for p in args.data],
-         "target": str(target.path), "seconds": round(time.perf_counter() - t0, 1)}, indent=2))
+         "target": str(target.path), "init": args.init or ("target's last layers" if args.init_from_target else
+                                                           "random"),
+         "seconds": round(time.perf_counter() - t0, 1),
+         "vocab_ranking": {"file": "vocab_ranking.npy", "source": "training responses",
+                           "order": "int32 token ids, most frequent first, ties by id"}}, indent=2))
     log(f"exported {export} ({sum(f.stat().st_size for f in export.iterdir()) / 1e6:.1f} MB)")
 
 

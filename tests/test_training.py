@@ -95,14 +95,16 @@ def test_training_blocks_equal_inference_drafts(pair):
     mask[0, 5:] = True
     mask[1, 3:15] = True
     obj = Objective(block_size=BLOCK, num_anchors=6, gamma=7.0, mask_token_id=drafter.config.mask_token_id)
-    run = jax.jit(partial(blocks_forward, obj=obj, cache_dtype=jnp.float32))
-    logits, blocks = run(model, d, tokens, jnp.asarray(mask), jax.random.key(4))
+    features = target_features(model, tokens, drafter.config.target_layer_ids, jnp.float32)  # [2, S, F]
+    run = jax.jit(partial(blocks_forward, obj=obj))
+    hidden, blocks = run(d, model.embed_tokens.weight[...], features, tokens, jnp.asarray(mask), jax.random.key(4))
+    logits = model.logits(hidden)  # [2, N, B-1, vocab]
     rows, slots = np.nonzero(np.asarray(blocks.valid))
     assert len(rows) >= 8
     anchors = np.asarray(blocks.positions)[rows, slots, 0]  # [A]
     # One drafting call per anchor (batched): features of the whole row are offered as padding-
     # extended context, of which only the first p positions are committed (ctx_len = p).
-    feats = target_features(model, tokens, drafter.config.target_layer_ids, jnp.float32)[rows]  # [A, S, F]
+    feats = features[rows]  # [A, S, F]
     cache = KVCache.create(drafter.config, len(rows), s + BLOCK, jnp.float32)
     want, _ = jax.jit(partial(draft_logits, block_size=BLOCK, mask_token_id=obj.mask_token_id, proposal=None))(
         model, d, cache, feats, jnp.zeros(len(rows), jnp.int32), jnp.asarray(anchors, jnp.int32),

@@ -1,9 +1,16 @@
 """Training DFlash drafters against a frozen target (spec section C)."""
 
 from bastion_jax.training.data import DataError, TokenDataset, check_not_benchmark, file_prompts, stdlib_prompts
-from bastion_jax.training.objective import Blocks, Metrics, Objective, block_loss, default_gamma, make_blocks, sample_anchors
-from bastion_jax.training.trainer import Trainer, TrainConfig, blocks_forward, optimizer, target_features, train_step
+from bastion_jax.training.features import FeatureStore
+from bastion_jax.training.forward import drafter_blocks, matmul, target_features
+from bastion_jax.training.objective import (Blocks, Metrics, Objective, block_loss, default_gamma, make_blocks,
+                                            restrict_vocab, sample_anchors)
+from bastion_jax.training.trainer import Trainer, TrainConfig, batch_indices, blocks_forward, optimizer, train_step
+from bastion_jax.training.vocab import LossVocab, VocabError, load_ranking, loss_vocab, rank_vocab, save_ranking
+from bastion_jax.training.warmstart import init_from_target
 
-__all__ = ["Blocks", "DataError", "Metrics", "Objective", "TokenDataset", "TrainConfig", "Trainer", "block_loss",
-           "blocks_forward", "check_not_benchmark", "default_gamma", "file_prompts", "make_blocks", "optimizer",
-           "sample_anchors", "stdlib_prompts", "target_features", "train_step"]
+__all__ = ["Blocks", "DataError", "FeatureStore", "LossVocab", "Metrics", "Objective", "TokenDataset", "TrainConfig",
+           "Trainer", "VocabError", "batch_indices", "block_loss", "blocks_forward", "check_not_benchmark",
+           "default_gamma", "drafter_blocks", "file_prompts", "init_from_target", "load_ranking", "loss_vocab",
+           "make_blocks", "matmul", "optimizer", "rank_vocab", "restrict_vocab", "sample_anchors", "save_ranking",
+           "stdlib_prompts", "target_features", "train_step"]

@@ -37,10 +37,11 @@ class Blocks(NamedTuple):
 
     ids: jax.Array  # [b, N, B] `[x_p, MASK...]`
     positions: jax.Array  # [b, N, B] p + k
-    labels: jax.Array  # [b, N, B-1] x_{p+k} for k = 1..B-1
-    weights: jax.Array  # [b, N, B-1] exp(-(k-1)/γ) where the label is real, else 0
+    labels: jax.Array  # [b, N, B-1] x_{p+k} for k = 1..B-1 (a row of the loss vocabulary; -1: outside it)
+    weights: jax.Array  # [b, N, B-1] exp(-(k-1)/γ) where the label is real and in the loss vocabulary, else 0
     valid: jax.Array  # [b, N] whether the block has an anchor
     mask: jax.Array  # [b, T, S + T] visibility over [context | blocks]
+    real: jax.Array  # [b, N, B-1] the label is a response token (what acceptance metrics count)
 
 
 def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
@@ -76,13 +77,24 @@ def make_blocks(tokens: jax.Array, loss_mask: jax.Array, anchors: jax.Array, val
     labels = jnp.take_along_axis(tokens, clipped, axis=1).reshape(b, n, block - 1)
     real = in_seq & jnp.take_along_axis(loss_mask, clipped, axis=1).reshape(b, n, block - 1) & valid[:, :, None]
     decay = jnp.exp(-jnp.arange(block - 1, dtype=jnp.float32) / obj.gamma)  # k-1 = 0..B-2
-    weights = jnp.where(real, decay, 0.0)
+    weights = jnp.where(real, decay, 0.0)  # [b, N, B-1]
     # Context: a block sees positions strictly before its anchor (invalid blocks see none).
     ctx = jnp.arange(s)[None, None, :] < jnp.where(valid, anchors, 0)[:, :, None]  # [b, N, S]
     ctx = jnp.broadcast_to(ctx[:, :, None, :], (b, n, block, s)).reshape(b, n * block, s)
     same = jnp.repeat(jnp.repeat(jnp.eye(n, dtype=bool), block, axis=0), block, axis=1)  # [T, T]
     mask = jnp.concatenate([ctx, jnp.broadcast_to(same, (b, n * block, n * block))], axis=-1)
-    return Blocks(ids, positions.astype(jnp.int32), labels, weights, valid, mask)
+    return Blocks(ids, positions.astype(jnp.int32), labels, weights, valid, mask, real)
+
+
+def restrict_vocab(blocks: Blocks, index: jax.Array | None) -> Blocks:
+    """Labels as rows of a reduced loss vocabulary (`index` [V]: target id -> row, or -1 outside).
+
+    Labels outside the kept set get weight 0 (no loss: a drafter restricted to that set can never
+    draft them) but stay `real`, so the acceptance metrics count them as misses, as inference would."""
+    if index is None:
+        return blocks
+    labels = jnp.take(index, blocks.labels, axis=0)  # [b, N, B-1]
+    return blocks._replace(labels=labels, weights=jnp.where(labels >= 0, blocks.weights, 0.0))
 
 
 class Metrics(NamedTuple):
@@ -90,16 +102,18 @@ class Metrics(NamedTuple):
     acc_first: jax.Array  # top-1 accuracy of the first drafted token
     accept_len: jax.Array  # mean 1 + leading correct top-1 drafts per block: a teacher-forced chain τ
     weight: jax.Array  # total loss weight (0 means the batch had no trainable block)
+    positions: jax.Array  # block positions that carry a loss (nonzero weight): the throughput unit
 
 
 def block_loss(logits: jax.Array, blocks: Blocks) -> Metrics:
-    """logits: [b, N, B-1, vocab] fp32 for slots 1..B-1."""
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, blocks.labels)  # [b, N, B-1]
+    """logits: [b, N, B-1, vocab] fp32 for slots 1..B-1 (vocab: the loss vocabulary's rows)."""
+    labels = jnp.maximum(blocks.labels, 0)  # out-of-vocabulary labels (-1) carry weight 0
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # [b, N, B-1]
     total = jnp.sum(blocks.weights)
     loss = jnp.sum(ce * blocks.weights) / jnp.maximum(total, 1e-6)
-    correct = (jnp.argmax(logits, axis=-1) == blocks.labels) & (blocks.weights > 0)  # [b, N, B-1]
-    first_real = blocks.weights[..., 0] > 0
+    correct = (jnp.argmax(logits, axis=-1) == blocks.labels) & blocks.real  # [b, N, B-1]
+    first_real = blocks.real[..., 0]
     acc_first = jnp.sum(correct[..., 0]) / jnp.maximum(jnp.sum(first_real), 1)
     run = jnp.sum(jnp.cumprod(correct.astype(jnp.int32), axis=-1), axis=-1)  # [b, N]
     accept_len = jnp.sum(jnp.where(first_real, 1 + run, 0)) / jnp.maximum(jnp.sum(first_real), 1)
-    return Metrics(loss, acc_first, accept_len, total)
+    return Metrics(loss, acc_first, accept_len, total, jnp.sum(blocks.weights > 0))

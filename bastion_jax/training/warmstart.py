@@ -1,0 +1,52 @@
+"""Start a drafter from the target's top layers instead of random weights (`--init-from-target`).
+
+A DFlash drafter layer has the shape of a target layer (same width, heads and, by default, MLP
+width), and its input lives where the target's last layers work: it feeds the target's LM head.
+Copying the last L target layers gives the drafter a language model's attention and MLP weights
+to adapt instead of noise to shape. Only `fc` (which fuses the tapped features) and its
+`hidden_norm` keep their fresh initialisation; q_norm/k_norm are copied only from a target that has
+them (Qwen3), else they stay at 1. The drafter's final norm takes the target's final norm, the one
+in front of the LM head the drafter shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bastion_jax.checkpoint import LoadedDrafter, Target
+
+
+def init_from_target(drafter: LoadedDrafter, target: Target) -> LoadedDrafter:
+    """A copy of `drafter` whose layer i holds target layer (n - L + i)'s weights and whose final norm is
+    the target's; raises ValueError when a copied weight's shape differs (e.g. another MLP width)."""
+    n, layers = target.config.num_hidden_layers, drafter.config.num_hidden_layers
+    if layers > n:
+        raise ValueError(f"--init-from-target: the drafter has {layers} layers, the target only {n}")
+    src, dst = nnx.to_pure_dict(target.state), nnx.to_pure_dict(drafter.state)  # fresh nested dicts
+
+    def copy(d_tree: dict, t_tree: dict, what: str) -> None:
+        """Every leaf of `t_tree` that `d_tree` also has (a drafter without biases skips a target's)."""
+        for name, t_leaf in t_tree.items():
+            if isinstance(t_leaf, dict):
+                if isinstance(d_tree.get(name), dict):
+                    copy(d_tree[name], t_leaf, f"{what}.{name}")
+                continue
+            if name not in d_tree:
+                continue
+            d_leaf = d_tree[name]
+            if tuple(d_leaf.shape) != tuple(t_leaf.shape):
+                raise ValueError(f"--init-from-target: {what}.{name} is {tuple(t_leaf.shape)} in the target but "
+                                 f"{tuple(d_leaf.shape)} in the drafter (use the target's sizes, e.g. "
+                                 f"--intermediate-size {target.config.intermediate_size})")
+            d_tree[name] = jnp.asarray(t_leaf, d_leaf.dtype)
+
+    for i in range(layers):  # norms, q/k/v/o (+ q/k norms, biases) and the MLP of each layer
+        copy(dst["layers"][i], src["layers"][n - layers + i], f"layers.{n - layers + i}")
+    copy(dst["norm"], src["norm"], "norm")
+    state = jax.tree.map(lambda a: a, drafter.state)  # a new State: the given drafter stays as it was
+    nnx.replace_by_pure_dict(state, dst)
+    return dataclasses.replace(drafter, state=state)

@@ -1,0 +1,166 @@
+"""The training-throughput levers of issue 13.1, each against a plain reference.
+
+- the reduced loss vocabulary (FR-Spec): logits over the kept rows and the remapped labels give the
+  cross-entropy a brute-force NumPy computation gives; labels outside it carry no loss but still
+  count as misses in the acceptance metrics;
+- the feature store: what it serves is the target's features (bf16-rounded), computed once per row,
+  and a new store over the same data resumes from disk without running the target again;
+- mixed-precision matmuls: the forward is the bf16 product accumulated in float32, the custom
+  gradient equals autodiff of that same product;
+- warm start from the target: drafter layer i holds target layer n - L + i.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from bastion_jax.checkpoint import random_drafter
+from bastion_jax.testing import tiny_drafter_config
+from bastion_jax.training import (FeatureStore, Objective, block_loss, init_from_target, loss_vocab, make_blocks,
+                                  matmul, rank_vocab, restrict_vocab, sample_anchors, target_features)
+from bastion_jax.training.vocab import VocabError, lm_head_weight
+
+
+@pytest.fixture(scope="module")
+def target(converted):
+    return converted("qwen3")[1]
+
+
+def test_rank_vocab_orders_by_count_then_id():
+    ranking = rank_vocab([np.array([3, 3, 1, 5, 5, 5]), {"response_ids": [1, 0]}], 7)
+    # counts: 5 -> 3, 3 -> 2, 1 -> 2, 0 -> 1, then the unseen ids 2, 4, 6 by id.
+    assert ranking.tolist() == [5, 1, 3, 0, 2, 4, 6]
+    with pytest.raises(VocabError, match="outside the vocabulary"):
+        rank_vocab([np.array([7])], 7)
+
+
+def test_reduced_vocabulary_loss_equals_brute_force(target):
+    v = target.config.vocab_size
+    rng = np.random.default_rng(0)
+    ranking = rng.permutation(v).astype(np.int32)
+    n_keep = 17
+    vocab = loss_vocab(target, ranking, n_keep)
+    kept = ranking[:n_keep]
+    full = np.asarray(lm_head_weight(target), np.float64)  # [V, h]
+    np.testing.assert_array_equal(np.asarray(vocab.head), np.asarray(lm_head_weight(target))[kept])
+
+    # Blocks whose labels are a mix of kept and dropped ids.
+    b, s, block = 2, 24, 4
+    tokens = rng.choice(np.concatenate([kept, kept, rng.integers(0, v, 8)]), size=(b, s)).astype(np.int32)
+    loss_mask = np.zeros((b, s), bool)
+    loss_mask[:, 3:] = True
+    obj = Objective(block_size=block, num_anchors=5, gamma=3.0, mask_token_id=0)
+    anchors, valid = sample_anchors(jax.random.key(1), jnp.asarray(loss_mask), obj.num_anchors)
+    blocks = make_blocks(jnp.asarray(tokens), jnp.asarray(loss_mask), anchors, valid, obj)
+    hidden = rng.normal(size=blocks.labels.shape + (full.shape[1],)).astype(np.float32)  # [b, N, B-1, h]
+    logits = matmul(jnp.asarray(hidden), vocab.head)  # [b, N, B-1, n_keep]
+    m = block_loss(logits, restrict_vocab(blocks, vocab.index))
+
+    # Brute force: softmax over the kept rows only, loss on labels inside the kept set.
+    lab = np.asarray(blocks.labels)
+    w = np.asarray(blocks.weights, np.float64)
+    real = np.asarray(blocks.real)
+    z = hidden.astype(np.float64) @ full[kept].T  # [b, N, B-1, n_keep]
+    logp = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
+    row = {int(t): i for i, t in enumerate(kept)}
+    num = den = 0.0
+    correct = np.zeros(lab.shape, bool)
+    for idx in np.ndindex(lab.shape):
+        r = row.get(int(lab[idx]))
+        if r is None or w[idx] == 0:
+            continue
+        num -= w[idx] * logp[idx][r]
+        den += w[idx]
+    for idx in np.ndindex(lab.shape):
+        r = row.get(int(lab[idx]))
+        correct[idx] = real[idx] and r is not None and int(np.argmax(z[idx])) == r
+    assert den > 0 and any(row.get(int(t)) is None for t in lab[real])  # both kinds of label occur
+    np.testing.assert_allclose(float(m.loss), num / den, rtol=1e-5)
+    np.testing.assert_allclose(float(m.acc_first), correct[..., 0].sum() / real[..., 0].sum(), rtol=1e-6)
+    assert int(m.positions) == int((w > 0).sum()) - sum(
+        1 for idx in zip(*np.nonzero(w > 0)) if row.get(int(lab[idx])) is None)
+
+
+def test_full_vocabulary_is_the_identity(target):
+    vocab = loss_vocab(target, None, 0)
+    assert vocab.index is None and vocab.head.shape[0] == target.config.vocab_size
+    with pytest.raises(VocabError, match="ranking"):
+        loss_vocab(target, None, 5)
+
+
+def test_feature_store_computes_once_and_resumes(target, tmp_path):
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, target.config.vocab_size, (5, 12)).astype(np.int32)
+    taps = (0, 1)
+    model = nnx.merge(target.graphdef, target.state)
+    calls = []
+
+    def compute(t):
+        calls.append(len(t))
+        return target_features(model, jnp.asarray(t), taps, jnp.float32)
+
+    dim = len(taps) * target.config.hidden_size
+    want = np.asarray(compute(tokens)).astype(ml_dtypes.bfloat16)  # [5, 12, F]
+    calls.clear()
+    store = FeatureStore(tokens, dim, compute, tmp_path, "train", "k1")
+    got = store.get(np.array([3, 1]))
+    np.testing.assert_array_equal(np.asarray(got), want[[3, 1]])
+    assert calls == [2] and store.cached == 2
+    store.get(np.array([1, 3]))
+    assert calls == [2]  # served from the store
+    store.get(np.array([0, 3]))
+    assert calls == [2, 2] and store.cached == 3
+    store.flush()
+
+    again = FeatureStore(tokens, dim, compute, tmp_path, "train", "k1")  # a resumed run
+    np.testing.assert_array_equal(np.asarray(again.get(np.array([0, 1, 3]))), want[[0, 1, 3]])
+    assert calls == [2, 2] and again.cached == 3
+    other = FeatureStore(tokens, dim, compute, tmp_path, "train", "k2")  # other data or target: stale file dropped
+    assert other.cached == 0 and not list(tmp_path.glob("train-k1*"))
+    uncached = FeatureStore(tokens, dim, compute, None, "train", "k1")
+    uncached.get(np.array([0]))
+    uncached.get(np.array([0]))
+    assert calls == [2, 2, 1, 1]
+
+
+def test_mixed_matmul_forward_and_gradient():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(2, 5, 24)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(7, 24)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(2, 5, 7)), jnp.float32)
+
+    def reference(x, w):  # autodiff of the same bf16 product, no custom rule
+        return jnp.einsum("...i,oi->...o", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                          preferred_element_type=jnp.float32)
+
+    np.testing.assert_array_equal(np.asarray(matmul(x, w, jnp.bfloat16)), np.asarray(reference(x, w)))
+    got = jax.grad(lambda x, w: jnp.sum(matmul(x, w, jnp.bfloat16) * g), argnums=(0, 1))(x, w)
+    want = jax.grad(lambda x, w: jnp.sum(reference(x, w) * g), argnums=(0, 1))(x, w)
+    for a, b in zip(got, want):
+        assert a.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-2, atol=2e-2)
+    f32 = jax.grad(lambda w: jnp.sum(matmul(x, w) * g))(w)  # float32 path: exact autodiff of einsum
+    np.testing.assert_allclose(np.asarray(f32), np.einsum("bto,bti->oi", np.asarray(g), np.asarray(x)), rtol=1e-5)
+
+
+def test_init_from_target_copies_the_top_layers(target):
+    cfg = target.config
+    drafter = random_drafter(tiny_drafter_config(cfg, num_layers=1, block_size=4), seed=1)
+    warm = init_from_target(drafter, target)
+    t, d, d0 = (nnx.to_pure_dict(s) for s in (target.state, warm.state, drafter.state))
+    top = t["layers"][cfg.num_hidden_layers - 1]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        np.testing.assert_array_equal(np.asarray(d["layers"][0]["self_attn"][name]["weight"]),
+                                      np.asarray(top["self_attn"][name]["weight"]))
+    np.testing.assert_array_equal(np.asarray(d["layers"][0]["mlp"]["down_proj"]["weight"]),
+                                  np.asarray(top["mlp"]["down_proj"]["weight"]))
+    np.testing.assert_array_equal(np.asarray(d["norm"]["weight"]), np.asarray(t["norm"]["weight"]))
+    np.testing.assert_array_equal(np.asarray(d["fc"]["weight"]), np.asarray(d0["fc"]["weight"]))  # stays fresh
+    np.testing.assert_array_equal(np.asarray(nnx.to_pure_dict(drafter.state)["layers"][0]["self_attn"]["q_proj"]
+                                             ["weight"]), np.asarray(d0["layers"][0]["self_attn"]["q_proj"]["weight"]))
+    too_deep = random_drafter(tiny_drafter_config(cfg, num_layers=cfg.num_hidden_layers + 1, block_size=4), seed=1)
+    with pytest.raises(ValueError, match="layers"):
+        init_from_target(too_deep, target)
