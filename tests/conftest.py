@@ -40,3 +40,21 @@ def vocab6_target(tmp_path_factory):
     root = tmp_path_factory.mktemp("vocab6")
     save_tiny_hf("qwen3", root, vocab_size=6, seed=5)
     return load_target(root, jnp.float32)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables():
+    """Free each module's compiled executables when it ends.
+
+    XLA:CPU maps every compiled executable's code into the process (several mappings each), and the
+    whole suite compiles well over a thousand of them in one pytest process: kept alive by jit caches
+    they pass Linux's default limit of 65,530 mappings per process (vm.max_map_count), and the next
+    compile crashes (SIGSEGV/SIGABRT inside XLA). Clearing the caches after every module keeps the
+    count to what one module needs."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
