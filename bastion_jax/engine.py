@@ -170,6 +170,17 @@ class Engine:
         self.draft_vocab = draft_vocab
         self._gate_memory: dict = {}  # the draft gate's acceptance estimates, kept across requests
         self.latency = latency or self.default_latency_model()
+        self._batch_latency: dict[int, LatencyModel] = {}  # models for other batch sizes than self.latency's
+
+    def latency_for(self, batch: int) -> LatencyModel:
+        """The latency model that prices steps of `batch` rows: `self.latency` when it was made (and
+        calibrated) for that batch, else one kept per batch size (roofline at that batch + online
+        correction: see `LatencyModel.for_batch`)."""
+        if batch == self.latency.batch:
+            return self.latency
+        if batch not in self._batch_latency or self._batch_latency[batch].peaks != self.latency.peaks:
+            self._batch_latency[batch] = self.latency.for_batch(batch)
+        return self._batch_latency[batch]
 
     def default_latency_model(self) -> LatencyModel:
         bpv = jnp.dtype(self.target.dtype).itemsize
@@ -311,28 +322,32 @@ class Engine:
         return self.target.dtype if self.drafter else jnp.dtype(jnp.float32)
 
     def calibrate(self, cache_len: int, sampling: SamplingConfig = SamplingConfig(),
-                  contexts: Sequence[int] | None = None, reps: int = 1) -> list[tuple[int | str, int, float]]:
+                  contexts: Sequence[int] | None = None, reps: int = 1,
+                  batch: int = 1) -> list[tuple[int | str, int, float]]:
         """Offline calibration: time every bucket's step, and the root (AR) step with and without a
-        draft, at a few context lengths, and fit the latency model. Steps run with the row inactive,
-        so the context length stays put."""
+        draft, at a few context lengths, with `batch` rows, and fit the latency model (which from
+        then on prices steps of that batch). Steps run with the rows inactive, so the context length
+        stays put."""
+        self.latency = self.latency.for_batch(batch)
         slack = self.tree_slack()
         top = cache_len - slack - 1
         contexts = sorted({max(1, c) for c in (contexts or (16, top)) if c <= top})
-        prefill, steps = self._tree_fns(1, 16, cache_len, sampling, self.buckets)
+        prefill, steps = self._tree_fns(batch, 16, cache_len, sampling, self.buckets)
         variants: dict = dict(steps)
         if self.drafter is not None:
-            roots = self._root_fns(1, cache_len, sampling)
+            roots = self._root_fns(batch, cache_len, sampling)
             variants[AR], variants[AR_DRAFT] = roots[HOLD], roots[DRAFT]
         dstate = self.drafter.state if self.drafter else None
         key = jax.random.PRNGKey(0)
-        state, _ = prefill(self.target.state, dstate, self.new_cache(1, cache_len), self.new_drafter_cache(1, cache_len),
-                           jnp.zeros((1, 16), jnp.int32), jnp.ones((1,), jnp.int32), key)
-        inactive = jnp.zeros((1,), bool)
+        state, _ = prefill(self.target.state, dstate, self.new_cache(batch, cache_len),
+                           self.new_drafter_cache(batch, cache_len), jnp.zeros((batch, 16), jnp.int32),
+                           jnp.ones((batch,), jnp.int32), key)
+        inactive = jnp.zeros((batch,), bool)
         samples = []
         for b, step in variants.items():
             for c in contexts:
                 for r in range(reps + 1):  # the first run of each point is a warm-up
-                    state = state.replace(length=jnp.full((1,), c, jnp.int32))
+                    state = state.replace(length=jnp.full((batch,), c, jnp.int32))
                     t0 = time.perf_counter()
                     state, out, _ = step(self.target.state, dstate, state, inactive, key)
                     jax.block_until_ready(out.count)
@@ -407,9 +422,10 @@ class Engine:
         if any(not 0 <= t < vocab for p in prompts for t in p):
             raise GenerationError(f"prompt token id outside the vocabulary [0, {vocab})")
         controller = None
+        latency = self.latency_for(len(prompts))  # a step's price depends on how many rows it computes
         if policy.uses_tree:
             try:
-                controller = Controller(policy, self.buckets, self.latency)
+                controller = Controller(policy, self.buckets, latency)
             except PolicyError as e:
                 raise GenerationError(str(e)) from None
         stats = stats if stats is not None else Stats()
@@ -428,7 +444,7 @@ class Engine:
             gate = None
             if policy.kind == "bastion":
                 roots = self._root_fns(batch, cache_len, sampling)
-                gate = DraftGate(self.buckets, self.latency.step_time, tree_decoding.pending_slots(self.block_size),
+                gate = DraftGate(self.buckets, latency.step_time, tree_decoding.pending_slots(self.block_size),
                                  self.block_size)
                 # What the gate learnt of this drafter's acceptance carries over to the next request.
                 gate.rho, gate.a_bar = self._gate_memory.get("rho", gate.rho), self._gate_memory.get("a_bar")
@@ -508,9 +524,9 @@ class Engine:
                 toks, counts = np.asarray(out.tokens), np.asarray(out.count)
                 elapsed = time.perf_counter() - ts
                 if then == DRAFT:  # tree steps that hold and flushes are not calibrated variants
-                    self.latency.observe(variant, context, elapsed)
+                    latency.observe(variant, context, elapsed)
                 elif b == 0 and then == HOLD:
-                    self.latency.observe(AR, context, elapsed)
+                    latency.observe(AR, context, elapsed)
                 if gate is not None:
                     if b:
                         gate.observe_verify(b, float(a[active, self.buckets.index(b)].mean()),

@@ -226,9 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             if len(ids) == 1:
                 load_or_calibrate(engine, calibration_model(target, drafter, engine.draft_vocab), cache_len, sampling,
                                   args.no_calibrate, log)
-            else:  # the profile times batch-1 steps: not this run's cost, and it is never saved from here
-                log(f"latency calibration: not used for a batch of {len(ids)} prompts (roofline + online "
-                    "correction)")
+            else:  # a saved profile times batch-1 steps: not this run's cost, and nothing is saved from here
+                log(f"latency calibration: not used for a batch of {len(ids)} prompts (steps of {len(ids)} rows "
+                    "priced by the roofline at that batch + online correction)")
         gen = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, max_len=cache_len)
         if args.compare_ar:
             # Both modes compile and run once on these prompts before either is timed.

@@ -125,22 +125,24 @@ class ModelDims:
         return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                    cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, bytes_per_value)
 
-    def flops(self, s: int, c: int) -> float:
-        """FLOPs of an s-token forward over c cached tokens (projections, attention, MLP, LM head)."""
+    def flops(self, s: int, c: int, batch: int = 1) -> float:
+        """FLOPs of an s-token forward over c cached tokens (projections, attention, MLP, LM head) in
+        each of `batch` rows."""
         h, hq, hkv = self.hidden, self.n_q * self.head_dim, self.n_kv * self.head_dim
         per_layer = 2 * s * h * hq + 4 * s * h * hkv + 4 * s * (c + s) * hq + 2 * s * hq * h + 6 * s * h * self.ffn
-        return self.layers * per_layer + 2 * s * h * self.vocab
+        return batch * (self.layers * per_layer + 2 * s * h * self.vocab)
 
-    def bytes(self, s: int, c: int) -> float:
-        """Bytes moved: weights, KV read + write, activations (BASTION's closed form)."""
+    def bytes(self, s: int, c: int, batch: int = 1) -> float:
+        """Bytes moved: weights (read once for the whole batch), then per row KV read + write and
+        activations (BASTION's closed form)."""
         h, hq, hkv, f, bp = self.hidden, self.n_q * self.head_dim, self.n_kv * self.head_dim, self.ffn, self.bytes_per_value
         weights = self.vocab * h + self.layers * (2 * h * hq + 2 * h * hkv + 3 * h * f) + h * self.vocab
         kv = self.layers * (2 * c * hkv + 2 * s * hkv)
         act = self.layers * (2 * s * h + 4 * s * hq + 2 * s * hkv + 2 * self.n_q * s * (c + s) + 2 * s * h + 4 * s * f)
-        return bp * (weights + kv + act + s * h + s * self.vocab)
+        return bp * (weights + batch * (kv + act + s * h + s * self.vocab))
 
-    def roofline(self, peaks: DevicePeaks, s: int, c: int) -> float:
-        return max(self.flops(s, c) / peaks.flops, self.bytes(s, c) / peaks.bandwidth)
+    def roofline(self, peaks: DevicePeaks, s: int, c: int, batch: int = 1) -> float:
+        return max(self.flops(s, c, batch) / peaks.flops, self.bytes(s, c, batch) / peaks.bandwidth)
 
 
 AR, AR_DRAFT = "ar", "ar+draft"  # the root-step variants, calibrated beside the buckets
@@ -159,22 +161,31 @@ class LatencyModel:
     beta: dict[int | str, float] = dataclasses.field(default_factory=dict)
     ema: dict[int | str, float] = dataclasses.field(default_factory=dict)  # measured / predicted
     ema_rate: float = 0.1
+    batch: int = 1  # rows of the steps it prices (a step computes every row of its compiled batch)
+
+    def for_batch(self, batch: int) -> "LatencyModel":
+        """This model pricing steps of `batch` rows: the roofline at that batch, the calibration kept
+        only when it was measured at that batch (a fit at another batch would misprice the steps)."""
+        if batch == self.batch:
+            return self
+        return dataclasses.replace(self, batch=batch, alpha={}, beta={}, ema={})
 
     def raw(self, b: int | str, c: int) -> float:
         """Uncalibrated roofline seconds of one step. `b` is a bucket (verify b nodes, then draft one
         block), "ar" (a root step: one target token, no draft) or "ar+draft" (a root step that drafts)."""
         if b in (AR, AR_DRAFT):
-            t = self.target.roofline(self.peaks, 1, c)
+            t = self.target.roofline(self.peaks, 1, c, self.batch)
             return t + (self.draft_raw(c) if b == AR_DRAFT else 0.0)
-        return self.target.roofline(self.peaks, int(b), c) + self.draft_raw(c)
+        return self.target.roofline(self.peaks, int(b), c, self.batch) + self.draft_raw(c)
 
     def draft_raw(self, c: int) -> float:
         """Roofline of the drafter's block forward (its embedding and LM head are the target's)."""
         if self.drafter is None:
             return 0.0
-        t = self.drafter.roofline(self.peaks, self.block_size, c) - self.drafter.bytes_per_value * (
+        t = self.drafter.roofline(self.peaks, self.block_size, c, self.batch) - self.drafter.bytes_per_value * (
             2 * self.drafter.vocab * self.drafter.hidden) / self.peaks.bandwidth  # no embed/LM head of its own
-        return t + 2 * self.block_size * self.target.hidden * self.target.vocab / self.peaks.flops  # borrowed head
+        head = 2 * self.batch * self.block_size * self.target.hidden * self.target.vocab  # the borrowed LM head
+        return t + head / self.peaks.flops
 
     def step_time(self, b: int, c: int, draft: bool) -> float:
         """T(b, c, draft) for the draft gate: b = 0 is a root (AR) step; a tree step that does not draft
@@ -216,11 +227,11 @@ class LatencyModel:
     # -- persistence -----------------------------------------------------------------------
     # A saved calibration is only valid for the exact setting it was measured in, so the key hashes
     # everything a step's time depends on: the device, the models (their files, not the spelling of
-    # their paths: see `model_identity`), the dtype, the compiled buckets and the tree width. Only a
+    # their paths: see `model_identity`), the dtype, the compiled buckets, the tree width and the batch. Only a
     # fresh offline fit is ever saved: online EMA corrections describe one run, not the setting.
     def key(self, model: str, dtype: str, tree_top_k: int) -> str:
         ident = json.dumps([self.peaks.name, device_kind(), model, dtype, list(self.buckets), int(tree_top_k),
-                            self.block_size, dataclasses.asdict(self.target),
+                            self.block_size, self.batch, dataclasses.asdict(self.target),
                             self.drafter and dataclasses.asdict(self.drafter)])
         return hashlib.sha1(ident.encode()).hexdigest()[:16]
 
@@ -229,7 +240,7 @@ class LatencyModel:
             raise ValueError("refusing to save a latency model with online (EMA) corrections: only a fresh "
                              "offline calibration is saved")
         return {"device": self.peaks.name, "device_kind": device_kind(), "model": model, "dtype": dtype,
-                "buckets": list(self.buckets), "tree_top_k": int(tree_top_k),
+                "buckets": list(self.buckets), "tree_top_k": int(tree_top_k), "batch": self.batch,
                 "key": self.key(model, dtype, tree_top_k), "peaks": dataclasses.asdict(self.peaks),
                 "calibration": {str(b): {"alpha": self.alpha.get(b, 1.0), "beta": self.beta.get(b, 0.0)}
                                 for b in [*self.buckets, *(v for v in self.alpha if isinstance(v, str))]}}

@@ -1,0 +1,100 @@
+"""Batches (issue 11.9): every row of a batch gets exactly its single-prompt output, whatever its
+prompt length, acceptance and stop point; and a step is priced at the batch it computes."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bastion_jax.engine import Engine
+from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims
+from bastion_jax.testing import greedy_continuation
+
+BLOCK = 4
+BUCKETS = (1, 4, 8)
+PROMPTS = [[5, 9, 11], [7, 3, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34], [40, 41, 2, 8, 8, 60, 1, 9, 12]]
+NEW = 20
+
+
+def per_row_oracle(tables: np.ndarray, vocab: int):
+    """Drafts from row i's answer key (`tables[i]`: prompt + greedy continuation), by batch row;
+    odd rows get only their first draft right.
+
+    In a batch, rows accept different numbers of tokens per step and finish at different steps; run alone, every prompt is row 0 and gets row 0's (mostly
+    wrong) drafts. Greedy output must not depend on either."""
+    tables = jnp.asarray(tables)  # [rows, L]
+
+    def propose(root, start, logits):  # logits [b, B-1, V]
+        rows = jnp.arange(logits.shape[0]) % tables.shape[0]
+        k = jnp.arange(1, logits.shape[1] + 1)
+        right = tables[rows[:, None], jnp.clip(start[:, None] + k[None], 0, tables.shape[1] - 1)]  # [b, B-1]
+        right = jnp.where((rows % 2 == 1)[:, None] & (k[None] > 1), (right + 1) % vocab, right)  # odd rows: 1 right
+        return jnp.full(logits.shape, -10.0) + 10.0 * jnp.eye(vocab)[right]
+
+    return propose
+
+
+@pytest.fixture(scope="module")
+def setup(converted):
+    _, target = converted("qwen3")
+    conts = [greedy_continuation(target, p, NEW + 2 * BLOCK) for p in PROMPTS]  # prompt + continuation each
+    width = max(len(c) for c in conts)
+    tables = np.stack([np.pad(c, (0, width - len(c))) for c in conts])
+    # A stop token that row 1 emits early and row 0 never: rows end at different steps, one by max_new_tokens.
+    out1 = conts[1][len(PROMPTS[1]):len(PROMPTS[1]) + NEW].tolist()
+    out0 = conts[0][len(PROMPTS[0]):len(PROMPTS[0]) + NEW].tolist()
+    stop = next(t for t in out1[3:] if t not in out0 and t not in out1[:3])
+    return target, tables, stop
+
+
+def cut(tokens: list[int], stop: int) -> list[int]:
+    return tokens[: tokens.index(stop) + 1] if stop in tokens else tokens
+
+
+@pytest.mark.parametrize("mode", ["dflash", "fixed:8", "bastion"])
+def test_each_row_of_a_batch_is_its_single_prompt_output(setup, mode):
+    target, tables, stop = setup
+    engine = Engine(target, stop_ids=[stop], block_size=BLOCK, buckets=BUCKETS, top_k=2,
+                    proposal=per_row_oracle(tables, target.config.vocab_size))
+    res = engine.generate(PROMPTS, max_new_tokens=NEW, mode=mode)
+    single = [engine.generate([p], max_new_tokens=NEW, mode=mode).tokens[0] for p in PROMPTS]
+    ar = [cut(tables[i, len(p):len(p) + NEW].tolist(), stop) for i, p in enumerate(PROMPTS)]
+    assert single == ar
+    assert res.tokens == ar
+    assert len(res.tokens[1]) < NEW == len(res.tokens[0])  # row 1 stops early on the stop token, row 0 runs on
+    assert res.stats.ended["stop token"] >= 1 and res.stats.ended["max new tokens"] >= 1
+    if mode != "bastion":  # (the draft gate may rightly take AR steps on this tiny CPU model)
+        assert res.stats.tau > 1.5  # the batch really accepted drafts, at different rates per row
+
+
+def test_steps_are_priced_at_the_batch_they_compute():
+    dims = ModelDims(layers=2, hidden=64, n_q=4, n_kv=2, head_dim=16, ffn=128, vocab=96, bytes_per_value=4)
+    peaks = DevicePeaks("test", 1e12, 1e11)
+    one = LatencyModel(dims, peaks, (1, 8), dims, 4)
+    four = one.for_batch(4)
+    assert four.batch == 4 and one.batch == 1
+    # Compute scales with the rows; the weights are read once per step whatever the batch.
+    assert dims.flops(8, 100, 4) == pytest.approx(4 * dims.flops(8, 100))
+    weights = dims.bytes(8, 100, 2) * 2 - dims.bytes(8, 100, 4)  # bytes are W + batch * R
+    assert weights == pytest.approx(2 * dims.bytes(8, 100, 1) - dims.bytes(8, 100, 2))  # linear in batch
+    assert 0 < weights < dims.bytes(8, 100, 1)
+    assert four.raw(8, 100) > one.raw(8, 100)
+    assert four.raw(8, 100) == pytest.approx(dims.roofline(peaks, 8, 100, 4) + four.draft_raw(100))
+    # A calibration measured at batch 1 is not carried to batch 4 (nor saved under its key).
+    one.alpha[8], one.beta[8] = 3.0, 0.5
+    assert one.for_batch(4).alpha == {} and one.for_batch(1) is one
+    assert one.key("m", "float32", 4) != four.key("m", "float32", 4)
+
+
+def test_engine_prices_a_batch_run_at_its_batch(converted):
+    _, target = converted("qwen3")
+    table = np.asarray(greedy_continuation(target, PROMPTS[0], 40))[None]
+    engine = Engine(target, stop_ids=[-1], block_size=BLOCK, buckets=BUCKETS, top_k=2,
+                    proposal=per_row_oracle(table, target.config.vocab_size))
+    engine.calibrate(64, contexts=(8, 24))
+    alpha = dict(engine.latency.alpha)
+    assert engine.latency.batch == 1 and alpha
+    engine.generate(PROMPTS, max_new_tokens=6, mode="bastion")
+    assert engine.latency_for(3).batch == 3 and engine.latency_for(3) is not engine.latency
+    assert engine.latency.alpha == alpha  # the batch-1 calibration is untouched by the batch run
+    engine.calibrate(64, contexts=(8, 24), batch=3)  # profiling at batch 3 makes it the engine's model
+    assert engine.latency.batch == 3 and engine.latency_for(3) is engine.latency
