@@ -1,9 +1,10 @@
-"""`python -m bastion_jax.train_drafter {data,train}`: build a DFlash drafter for a target.
+"""`python -m bastion_jax.train_drafter {data,pack,train,eval}`: build a DFlash drafter for a target.
 
 `data` regenerates responses with the target itself (greedy, chat template) for prompts from
 training splits and the local Python standard library; `train` runs the DFlash objective with
 AdamW, checkpoints with orbax (rerun the same command to resume) and exports the drafter in the
-z-lab format (`config.json` + `model.safetensors`) that `--drafter DIR` loads.
+z-lab format (`config.json` + `model.safetensors`) that `--drafter DIR` loads; `eval` reports its
+acceptance (tau per mode and prompt set, output checked against AR).
 """
 
 from __future__ import annotations
@@ -89,6 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "instead of keeping them under OUT/features (for data seen only once)")
     t.add_argument("--init-from-target", action="store_true", help="initialise the drafter's layers from the "
                    "target's last layers (its fc stays random)")
+    e = sub.add_parser("eval", parents=[common], help="acceptance report: tau per mode and prompt set, AR "
+                       "identity checked (T=0)")
+    e.add_argument("--drafter", help="drafter dir (default: the shipped drafter of the default target)")
+    e.add_argument("--prompts", nargs="+", default=["gsm8k_test", "humaneval", "mt_bench"],
+                   help="standard sets by name (mt_bench, gsm8k_test, math500, humaneval, mbpp, spec_bench: read "
+                   "from ../shared/data beside the checkout) and/or JSONL(.gz) prompt files (default: gsm8k_test "
+                   "humaneval mt_bench: math, code, chat)")
+    e.add_argument("--max-prompts", type=int, default=8, help="prompts per set (default 8)")
+    e.add_argument("--max-new-tokens", type=int, default=96)
+    e.add_argument("--modes", default="dflash,fixed:32,bastion", help="comma-separated policies besides ar "
+                   "(default dflash,fixed:32,bastion)")
+    e.add_argument("--buckets", default="1,4,8,16,32,64", help="tree sizes compiled (default 1,4,8,16,32,64)")
+    e.add_argument("--tree-top-k", type=int, default=128)
+    e.add_argument("--draft-vocab", default="auto", help="as generate --draft-vocab (auto, full or N)")
+    e.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default 8)")
+    e.add_argument("--no-chat", action="store_true", help="prompts as plain text (no chat template)")
+    e.add_argument("--out", help="also write the report to OUT.json and OUT.md")
     return p
 
 
@@ -188,6 +206,68 @@ def run_train(args, target, log) -> None:
     log(f"exported {export} ({sum(f.stat().st_size for f in export.iterdir()) / 1e6:.1f} MB)")
 
 
+def run_eval(args, target, log) -> None:
+    """The acceptance report (bastion_jax.acceptance) of a drafter on prompt sets."""
+    import datetime
+
+    import jax
+
+    from bastion_jax.acceptance import acceptance, markdown, read_prompts, resolve_prompt_file, set_name
+    from bastion_jax.checkpoint import load_drafter
+    from bastion_jax.controller import Policy, parse_buckets
+    from bastion_jax.default_model import default_drafter_dir
+    from bastion_jax.engine import Engine
+    from bastion_jax.speculative import resolve_draft_vocab
+    from bastion_jax.text import encode_prompt, load_tokenizer
+
+    drafter_dir = args.drafter or (default_drafter_dir() if args.target is None else None)
+    if drafter_dir is None:
+        raise ValueError("eval needs --drafter (no drafter ships for this target)")
+    if args.max_prompts < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
+        raise ValueError("--max-prompts, --batch-size and --max-new-tokens must be >= 1")
+    modes = [m for m in args.modes.split(",") if m and m != "ar"]
+    for m in modes:
+        Policy.parse(m)
+    drafter = load_drafter(drafter_dir, target.config, target.dtype)
+    tok = load_tokenizer(target)
+    buckets = parse_buckets(args.buckets)
+    engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
+                    draft_vocab=resolve_draft_vocab(target, drafter, args.draft_vocab))
+    sets = {}
+    for spec in args.prompts:
+        path = resolve_prompt_file(spec)
+        texts = read_prompts(path, args.max_prompts)
+        sets[set_name(path)] = [encode_prompt(tok, t, chat=not args.no_chat) for t in texts]
+    if "bastion" in modes:  # its tree sizes follow the latency model: profile this machine first
+        longest = max(len(p) for ps in sets.values() for p in ps)
+        cache_len = engine.cache_len_for([longest], args.max_new_tokens, None, engine.slack("bastion"))
+        engine.calibrate(cache_len, batch=min(args.batch_size, max(len(p) for p in sets.values())))
+    log(f"eval: {drafter_dir} on {', '.join(f'{n} ({len(p)})' for n, p in sets.items())}, modes "
+        f"{', '.join(modes)}, {args.max_new_tokens} new tokens, batches of {args.batch_size}, T=0")
+    report = acceptance(engine, sets, modes, args.max_new_tokens, args.batch_size,
+                        progress=None if args.quiet else lambda n, m, st: log(f"  {n} {m}: tau {st.tau:.2f}"))
+    lines = markdown(report, modes)
+    print("\n".join(lines))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"drafter": str(drafter_dir), "target": str(target.path), "dtype": target.dtype.name,
+                "device": jax.devices()[0].device_kind, "date": datetime.date.today().isoformat(),
+                "max_new_tokens": args.max_new_tokens, "buckets": list(buckets), "tree_top_k": args.tree_top_k,
+                "draft_vocab": args.draft_vocab, "batch_size": args.batch_size,
+                "prompts": {n: len(p) for n, p in sets.items()}}
+        training = Path(drafter_dir) / "training.json"
+        if training.is_file():
+            meta["drafter_training"] = json.loads(training.read_text())
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "tau": report}, indent=2))
+        head = [f"# Acceptance: {Path(drafter_dir).name}", "",
+                f"{meta['device']}, {meta['date']}, {meta['dtype']}; {args.max_new_tokens} new tokens, T=0, "
+                f"first {args.max_prompts} prompts per set, batches of {args.batch_size}; tau = mean committed "
+                "tokens per row step (accepted drafts + 1).", ""]
+        out.with_suffix(".md").write_text("\n".join(head + lines) + "\n")
+        log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+
+
 def run_pack(args, log) -> int:
     from bastion_jax.training.data import pack_records, read_records
 
@@ -221,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         path = args.target or default_target_dir(verbose=not args.quiet)
         target = load_target(path, resolve_dtype(args.dtype))
         log(f"loaded {path} ({target.dtype.name}: {dtype_note(args.dtype)})")
-        (run_data if args.command == "data" else run_train)(args, target, log)
+        {"data": run_data, "train": run_train, "eval": run_eval}[args.command](args, target, log)
     except (CheckpointError, ConfigError, DataError, DefaultModelError, ValueError) as e:
         return fail(e)
     return 0

@@ -7,27 +7,6 @@ import csv
 import subprocess
 from pathlib import Path
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-STANDARD_SETS = {  # name -> file in ../shared/data
-    "mt_bench": "mt_bench_questions.jsonl.gz",
-    "gsm8k_test": "gsm8k_test.jsonl.gz",
-    "math500": "math500_test.jsonl.gz",
-    "humaneval": "humaneval.jsonl.gz",
-    "mbpp": "mbpp.jsonl.gz",
-    "spec_bench": "spec_bench_questions.jsonl.gz",
-}
-
-
-def resolve_prompt_file(spec: str) -> str:
-    """A standard set's name (resolved in ../shared/data beside the checkout) or a JSONL(.gz) path."""
-    if spec in STANDARD_SETS:
-        path = SHARED_DATA / STANDARD_SETS[spec]
-        if not path.is_file():
-            raise SystemExit(f"error: standard set {spec} not found at {path}; pass its file path instead")
-        return str(path)
-    return spec
-
-
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

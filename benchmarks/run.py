@@ -14,44 +14,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gzip
 import json
 import sys
 from pathlib import Path
 
-from benchmarks.report import STANDARD_SETS, commit, markdown_table, per_set, plot, resolve_prompt_file, write_csv
+from bastion_jax.acceptance import STANDARD_SETS, PromptError, read_prompts, resolve_prompt_file
+from benchmarks.report import commit, markdown_table, per_set, plot, write_csv
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def prompt_text(record: dict) -> str | None:
-    """The first user turn of a record, whatever the data set calls it."""
-    if isinstance(record.get("turns"), list) and record["turns"]:
-        return str(record["turns"][0])
-    for key in ("question", "problem", "prompt", "text"):
-        if isinstance(record.get(key), str):
-            return record[key]
-    if isinstance(record.get("instruction"), str):
-        extra = record.get("input") or ""
-        return record["instruction"] + ("\n\n" + extra if extra else "")
-    return None
-
-
-def read_prompts(path: str, limit: int) -> list[str]:
-    opener = gzip.open if path.endswith(".gz") else open
-    out = []
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    text = prompt_text(json.loads(line))
-                    if text:
-                        out.append(text)
-                if len(out) >= limit:
-                    break
-    except (OSError, json.JSONDecodeError) as e:
-        raise SystemExit(f"error: cannot read prompts from {path}: {e}")
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.modes:
         modes = ["ar"] + [m for m in args.modes.split(",") if m and m != "ar"]
 
-    args.prompts = [resolve_prompt_file(f) for f in args.prompts]
-    prompts = [(Path(f).name.split(".")[0], t) for f in args.prompts for t in read_prompts(f, args.max_prompts)]
+    try:
+        args.prompts = [str(resolve_prompt_file(f)) for f in args.prompts]
+        prompts = [(Path(f).name.split(".")[0], t) for f in args.prompts for t in read_prompts(f, args.max_prompts)]
+    except PromptError as e:
+        raise SystemExit(f"error: {e}") from None
     ids = [encode_prompt(tok, t) for _, t in prompts]
     longest = max(map(len, ids))
     # One cache length for every mode (the largest slack, the tree's), so all pay the same attention cost.

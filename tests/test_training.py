@@ -1,5 +1,6 @@
 """Drafter training: the objective against brute force and against inference, a toy run that learns."""
 
+import gzip
 import json
 from functools import partial
 
@@ -205,6 +206,27 @@ def test_cli_data_then_train(tmp_path):
     drafter = load_drafter(tmp_path / "run" / "drafter", target.config)
     assert drafter.config.block_size == 4 and drafter.config.num_hidden_layers == 1
     assert json.loads((tmp_path / "run" / "drafter" / "training.json").read_text())["train_config"]["steps"] == 3
+
+    # eval: tau per mode and prompt set, AR identity checked, the report written.
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"turns": [f"w{i} w{i + 3}", "second turn"]}) + "\n" for i in range(5, 10)))
+    code = tmp_path / "code.jsonl.gz"
+    with gzip.open(code, "wt") as f:
+        f.writelines(json.dumps({"prompt": f"w{i} w{i}"}) + "\n" for i in range(30, 33))
+    assert main(["eval", *common, "--drafter", str(tmp_path / "run" / "drafter"), "--prompts", str(chat), str(code),
+                 "--max-prompts", "4", "--max-new-tokens", "10", "--modes", "dflash,fixed:4", "--buckets", "1,4",
+                 "--batch-size", "3", "--out", str(tmp_path / "acc")]) == 0
+    report = json.loads((tmp_path / "acc.json").read_text())
+    assert report["meta"]["prompts"] == {"chat": 4, "code": 3}
+    for name in ("chat", "code"):
+        for mode in ("dflash", "fixed:4"):
+            row = report["tau"][name][mode]
+            assert row["identical_to_ar"] is True and row["steps"] > 0
+            assert row["tau"] == pytest.approx(row["committed"] / row["steps"]) and 1.0 <= row["tau"] <= 4.0
+    md = (tmp_path / "acc.md").read_text()
+    assert "| set | dflash | fixed:4 |" in md and "| chat |" in md and "identical to AR: yes" in md
+    assert main(["eval", *common, "--drafter", str(tmp_path / "run" / "drafter"), "--prompts",
+                 str(tmp_path / "missing.jsonl")]) == 2
 
 
 def test_cli_refuses_benchmark_sources(tmp_path, capsys):
