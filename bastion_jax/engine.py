@@ -176,8 +176,8 @@ class Engine:
         """The latency model that prices steps of `batch` rows: `self.latency` when it was made (and
         calibrated) for that batch, else one kept per batch size (roofline at that batch + online
         correction: see `LatencyModel.for_batch`)."""
-        if batch == self.latency.batch:
-            return self.latency
+        if batch == getattr(self.latency, "batch", batch) or not hasattr(self.latency, "for_batch"):
+            return self.latency  # (a caller's own latency model that does not price batches is used as is)
         if batch not in self._batch_latency or self._batch_latency[batch].peaks != self.latency.peaks:
             self._batch_latency[batch] = self.latency.for_batch(batch)
         return self._batch_latency[batch]

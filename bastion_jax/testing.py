@@ -128,3 +128,99 @@ def pair_chi_square(generated, joint, min_expected: float = 5.0) -> float:
     expected = joint * len(pairs)
     m = expected > min_expected
     return float(((counts[m] - expected[m]) ** 2 / expected[m]).sum())
+
+
+def next_token_logits(target, seqs):
+    """The target's logits after every prefix of each of the equal-length `seqs` [n, t] (one plain
+    forward): [n, t, vocab] float64, row [i, j] the logits of the token after seqs[i][: j + 1]."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from bastion_jax.modeling.cache import KVCache, causal_mask
+
+    seqs = np.asarray(seqs, np.int32)
+    n, t = seqs.shape
+    model = nnx.merge(target.graphdef, target.state)
+    start = jnp.zeros(n, jnp.int32)
+    cache = KVCache.create(target.config, n, t, target.dtype)
+    out = model(jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), (n, t)), cache, start, causal_mask(start, t, t))
+    return np.asarray(out.logits, np.float64)
+
+
+def filtered_probs(logits, sampling):
+    """NumPy restatement of `sampling.filter_logits` + softmax: the law `sample` draws from, [..., vocab].
+
+    Temperature first; then top-k keeps every token whose tempered logit is >= the k-th largest
+    (ties at the k-th are all kept); then top-p, over what top-k left, keeps the smallest prefix of
+    the tokens sorted by descending logit whose mass before each kept token is < top_p, plus every
+    token tied with the last one kept. Greedy (T = 0) is a point mass on the first argmax."""
+    import numpy as np
+
+    logits = np.asarray(logits, np.float64)
+    if sampling.greedy:
+        return np.eye(logits.shape[-1])[np.argmax(logits, axis=-1)]
+    z = logits / sampling.temperature
+    v = z.shape[-1]
+    if sampling.top_k and sampling.top_k < v:
+        kth = np.sort(z, axis=-1)[..., -sampling.top_k][..., None]
+        z = np.where(z < kth, -np.inf, z)
+    if sampling.top_p < 1.0:
+        desc = np.sort(z, axis=-1)[..., ::-1]
+        p = np.exp(desc - desc[..., :1])
+        p /= p.sum(-1, keepdims=True)
+        keep = np.cumsum(p, axis=-1) - p < sampling.top_p
+        threshold = np.min(np.where(keep, desc, np.inf), axis=-1, keepdims=True)
+        z = np.where(z < threshold, -np.inf, z)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+def token_law(target, prompt, n: int, sampling=None):
+    """Exact joint law [vocab] * n of the next `n` tokens after `prompt` when every token is drawn
+    by `sample` with `sampling` (default: plain temperature 1), by enumerating every (n - 1)-token
+    continuation in one forward (vocab ** (n - 1) rows)."""
+    import itertools
+
+    import numpy as np
+
+    from bastion_jax.sampling import SamplingConfig
+
+    sampling = sampling or SamplingConfig(1.0)
+    v = target.config.vocab_size
+    tails = list(itertools.product(range(v), repeat=n - 1))
+    logits = next_token_logits(target, [list(prompt) + list(t) for t in tails])  # [rows, len, v]
+    probs = filtered_probs(logits[:, len(prompt) - 1:], sampling)  # [rows, n, v]: token i+1 after tail[:i]
+    law = np.zeros((v,) * n)
+    for row, tail in enumerate(tails):
+        # P(tail + (x,)) = prod_i P(tail[i] | tail[:i]) * P(x | tail); every row holds all n factors.
+        lead = np.prod([probs[row, i, tail[i]] for i in range(n - 1)])
+        law[tail] = lead * probs[row, n - 1]
+    return law
+
+
+def law_chi_square(generated, law, min_expected: float = 5.0):
+    """Pearson chi-square of the first `law.ndim` generated tokens of each row against `law`.
+
+    Cells expecting >= `min_expected` samples are kept; the other possible cells are merged into one
+    (kept if it too expects that many). Returns (chi2, dof, impossible): dof = kept cells - 1, and
+    `impossible` counts rows whose tokens have probability 0 under `law` (a filter let through a
+    token it must remove): any such row is a failure by itself."""
+    import numpy as np
+
+    n = law.ndim
+    rows = np.array([t[:n] for t in generated])
+    if rows.ndim != 2 or rows.shape[1] != n or rows.min() < 0 or rows.max() >= law.shape[0]:
+        raise ValueError(f"every row needs {n} token ids in [0, {law.shape[0]})")
+    counts = np.zeros_like(law)
+    np.add.at(counts, tuple(rows.T), 1)
+    expected = law * len(rows)
+    impossible = int(counts[law == 0].sum())
+    big = expected >= min_expected
+    small = ~big & (law > 0)
+    obs, exp = list(counts[big]), list(expected[big])
+    if expected[small].sum() >= min_expected:
+        obs.append(counts[small].sum())
+        exp.append(expected[small].sum())
+    obs, exp = np.array(obs), np.array(exp)
+    return float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1, impossible

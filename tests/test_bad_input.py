@@ -165,11 +165,16 @@ def test_convert_garbage_gguf(capsys, tmp_path, garbage):
     _convert(capsys, tmp_path / "model.gguf", tmp_path / "out", "GGUF", "model.gguf")
 
 
-# Malformed inputs that currently escape as tracebacks (library bugs reported to the developer).
-# strict: once fixed these XPASS and fail, as a reminder to drop the marker.
-@pytest.mark.parametrize("case", ["config-not-object", "config-field-not-int", "zero-heads",
-                                  "generation-config-not-object", "output-is-a-file"])
-def test_convert_malformed_known_bugs(capsys, _hf_copy, tmp_path, case):
+# Malformed configs and an output path that is a file: each is refused with one line naming the problem
+# (these once escaped as tracebacks).
+@pytest.mark.parametrize("case,fragments", [
+    ("config-not-object", ("config.json", "expected a JSON object")),
+    ("config-field-not-int", ("malformed config.json field", "'big'")),
+    ("zero-heads", ("num_attention_heads", "must be positive", "got 0")),  # was a ZeroDivisionError
+    ("generation-config-not-object", ("generation_config.json", "expected a JSON object")),
+    ("output-is-a-file", ("exists and is not a directory",)),
+])
+def test_convert_malformed_config_or_output_path_is_one_error_line(capsys, _hf_copy, tmp_path, case, fragments):
     out = tmp_path / "out"
     cfg = json.loads((_hf_copy / "config.json").read_text())
     if case == "config-not-object":
@@ -178,12 +183,14 @@ def test_convert_malformed_known_bugs(capsys, _hf_copy, tmp_path, case):
         (_hf_copy / "config.json").write_text(json.dumps({**cfg, "hidden_size": "big"}))
     elif case == "zero-heads":
         (_hf_copy / "config.json").write_text(
-            json.dumps({**cfg, "num_attention_heads": 0, "num_key_value_heads": 0}))  # ZeroDivisionError
+            json.dumps({**cfg, "num_attention_heads": 0, "num_key_value_heads": 0}))
     elif case == "generation-config-not-object":
         (_hf_copy / "generation_config.json").write_text("[2]")
     else:
         out.write_text("a file where the output directory should go")
-    _convert(capsys, _hf_copy, out)
+    _convert(capsys, _hf_copy, out, *fragments)
+    if case == "output-is-a-file":
+        assert out.read_text() == "a file where the output directory should go"  # left as it was
 
 
 # -- python -m bastion_jax.generate ------------------------------------------------------------
@@ -252,8 +259,13 @@ def test_generate_empty_prompt(capsys, monkeypatch, tmp_path, argv, stdin):
     assert "prompt" in line
 
 
-@pytest.mark.parametrize("case", ["config-not-object", "metadata-not-object", "unknown-dtype"])
-def test_generate_malformed_checkpoint_known_bugs(capsys, _tiny, tmp_path, case):
+@pytest.mark.parametrize("case,fragments", [
+    ("config-not-object", ("config.json", "expected a JSON object")),
+    ("metadata-not-object", ("not a bastion_jax target checkpoint", "'v1'")),
+    ("unknown-dtype", ("unknown dtype", "'float33'")),
+])
+def test_generate_malformed_checkpoint_is_one_error_line(capsys, _tiny, tmp_path, case, fragments):
+    """A converted checkpoint with a damaged config.json is refused with one line naming it."""
     ckpt = Path(shutil.copytree(_tiny["ours"], tmp_path / "ckpt"))
     cfg = json.loads((ckpt / "config.json").read_text())
     if case == "config-not-object":
@@ -264,5 +276,5 @@ def test_generate_malformed_checkpoint_known_bugs(capsys, _tiny, tmp_path, case)
         cfg["bastion_jax"]["dtype"] = "float33"
         (ckpt / "config.json").write_text(json.dumps(cfg))
     rc, out, err = _generate(capsys, "--target", str(ckpt), "--no-chat", "--quiet", "w1 w2")
-    assert rc == 2
-    _one_error_line(err, "ckpt")
+    assert rc == 2 and out == ""
+    _one_error_line(err, "ckpt", *fragments)

@@ -195,13 +195,13 @@ def _random_proposal(vocab: int):
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama3"])
 def test_t0_identical_to_ar_with_random_drafter_model(converted, arch):
+    """A random drafter model (drafts almost always rejected) still gives AR's tokens exactly."""
     _, target = converted(arch)
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK), seed=1)
     engine = Engine(target, drafter=drafter, stop_ids=[-1])
     ar = engine.generate(PROMPTS, max_new_tokens=30, mode="ar").tokens
     res = engine.generate(PROMPTS, max_new_tokens=30, mode="dflash")
     assert res.tokens == ar
-    assert res.stats.tau >= 1.0
 
 
 @pytest.mark.parametrize("correct_upto,expect_tau", [(BLOCK - 1, BLOCK), (2, 3), (0, 1)])
