@@ -224,3 +224,20 @@ def law_chi_square(generated, law, min_expected: float = 5.0):
         exp.append(expected[small].sum())
     obs, exp = np.array(obs), np.array(exp)
     return float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1, impossible
+
+
+class DraftingPays:
+    """A latency model stub (seconds, no online correction) where drafting pays: AR 1.0, a draft 0.2,
+    verifying a tree of b nodes 1.0 + 0.01 b. On a tiny CPU model a plain AR step really is cheaper
+    and the draft gate would rightly stop drafting; tests that need trees verified pass this as
+    `Engine(latency=...)`. The controller then prefers bucket 8 to bucket 4. It prices every batch
+    alike (no `for_batch`), so the engine uses it as is."""
+
+    def predict(self, b, c):
+        return {"ar": 1.0, "ar+draft": 1.2}.get(b) or 1.2 + 0.01 * b
+
+    def step_time(self, b, c, draft):
+        return (1.0 if b == 0 else self.predict(b, c) - 0.2) + (0.2 if draft else 0.0)
+
+    def observe(self, *a):
+        pass

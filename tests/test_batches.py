@@ -90,11 +90,11 @@ def test_engine_prices_a_batch_run_at_its_batch(converted):
     table = np.asarray(greedy_continuation(target, PROMPTS[0], 40))[None]
     engine = Engine(target, stop_ids=[-1], block_size=BLOCK, buckets=BUCKETS, top_k=2,
                     proposal=per_row_oracle(table, target.config.vocab_size))
-    engine.calibrate(64, contexts=(8, 24))
+    engine.calibrate(64, contexts=(8,))
     alpha = dict(engine.latency.alpha)
     assert engine.latency.batch == 1 and alpha
     engine.generate(PROMPTS, max_new_tokens=6, mode="bastion")
     assert engine.latency_for(3).batch == 3 and engine.latency_for(3) is not engine.latency
     assert engine.latency.alpha == alpha  # the batch-1 calibration is untouched by the batch run
-    engine.calibrate(64, contexts=(8, 24), batch=3)  # profiling at batch 3 makes it the engine's model
+    engine.calibrate(64, contexts=(8,), batch=3)  # profiling at batch 3 makes it the engine's model
     assert engine.latency.batch == 3 and engine.latency_for(3) is engine.latency

@@ -11,25 +11,12 @@ import pytest
 
 from bastion_jax.checkpoint import load_target, random_drafter
 from bastion_jax.engine import Engine
-from bastion_jax.testing import greedy_continuation, save_tiny_hf, tiny_drafter_config
+from bastion_jax.testing import DraftingPays, greedy_continuation, save_tiny_hf, tiny_drafter_config
 from checkpoints_convert import convert
 
 BLOCK = 6
 N_NEW = 72
 PROMPTS = [[5, 9, 11, 40, 41], [7, 3, 20], [60, 61, 62, 63, 64, 65, 66, 67, 68], [12]]
-
-
-class DraftingPays:
-    """Step times (seconds) with no online correction: AR 1.0, a draft 0.2, a tree of b nodes 1.2 + 0.01 b."""
-
-    def predict(self, b, c):
-        return {"ar": 1.0, "ar+draft": 1.2}.get(b) or 1.2 + 0.01 * b
-
-    def step_time(self, b, c, draft):
-        return (1.0 if b == 0 else self.predict(b, c) - 0.2) + (0.2 if draft else 0.0)
-
-    def observe(self, *a):
-        pass
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ from scipy import stats
 
 from bastion_jax.engine import Engine
 from bastion_jax.sampling import SamplingConfig
-from bastion_jax.testing import law_chi_square, next_token_logits, token_law
+from bastion_jax.testing import DraftingPays, law_chi_square, next_token_logits, token_law
 
 PROMPT = [1, 4, 3]
 V = 6
@@ -69,26 +69,6 @@ def contexts(peaked_target):
     """[36, len(PROMPT) + 2, V] logits after PROMPT + (a, c) for every pair (a, c), row 6 a + c."""
     tails = [[a, c] for a in range(V) for c in range(V)]
     return next_token_logits(peaked_target, [PROMPT + t for t in tails])
-
-
-class DraftingPays:
-    """Step times (seconds) with no online correction, where drafting pays (on a tiny CPU model a plain
-    AR step is really cheaper, and the draft gate would rightly stop drafting): AR 1.0, a draft 0.2,
-    verifying a tree of b nodes 1.0 + 0.01 b. The controller then prefers bucket 8 to bucket 4."""
-
-    def predict(self, b, c):
-        return {"ar": 1.0, "ar+draft": 1.2}.get(b) or 1.2 + 0.01 * b
-
-    def step_time(self, b, c, draft):
-        return (1.0 if b == 0 else self.predict(b, c) - 0.2) + (0.2 if draft else 0.0)
-
-    def observe(self, *a):
-        pass
-
-    batch = ROWS  # Engine.latency_for(ROWS) prices this test's requests with this very model
-
-    def for_batch(self, batch):
-        return self
 
 
 def chain_proposal(contexts):

@@ -250,3 +250,16 @@ def test_install_is_found_by_generate_however_the_paths_are_spelled(tmp_path, mo
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "latency calibration: reused" in err, err
+
+
+@pytest.mark.parametrize("arch,tied", [("qwen3", False), ("llama3", True)])
+def test_perf_8b_floor_counts_the_weights_a_step_reads(converted, arch, tied):
+    """An untied embedding table is only gathered from (one row per token): not in the AR floor. A tied
+    one is the LM head, read whole every step."""
+    from benchmarks.perf_8b import step_weight_bytes
+
+    torch_model, target = converted(arch)
+    every = sum(p.numel() * 4 for p in torch_model.parameters())  # float32; a tied table counted once
+    table = torch_model.get_input_embeddings().weight.numel() * 4
+    assert ("lm_head" not in target.state) == tied
+    assert step_weight_bytes(target) == (every if tied else every - table)

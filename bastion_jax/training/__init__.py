@@ -1,11 +1,12 @@
 """Training DFlash drafters against a frozen target (spec section C)."""
 
-from bastion_jax.training.data import DataError, TokenDataset, check_not_benchmark, file_prompts, stdlib_prompts
+from bastion_jax.training.data import (DataError, TokenDataset, batch_indices, check_not_benchmark, file_prompts,
+                                       stdlib_prompts)
 from bastion_jax.training.features import FeatureStore
 from bastion_jax.training.forward import drafter_blocks, matmul, target_features
 from bastion_jax.training.objective import (Blocks, Metrics, Objective, block_loss, default_gamma, make_blocks,
                                             restrict_vocab, sample_anchors)
-from bastion_jax.training.trainer import Trainer, TrainConfig, batch_indices, blocks_forward, optimizer, train_step
+from bastion_jax.training.trainer import Trainer, TrainConfig, blocks_forward, optimizer, train_step
 from bastion_jax.training.vocab import LossVocab, VocabError, load_ranking, loss_vocab, rank_vocab, save_ranking
 from bastion_jax.training.warmstart import init_from_target
 

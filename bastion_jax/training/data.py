@@ -255,6 +255,19 @@ def read_records(path: str | Path) -> list[dict]:
     return read_packed(path) if str(path).endswith(".npz") else read_jsonl(path)
 
 
+def batch_indices(n: int, batch_size: int, seed: int, start_step: int = 0) -> Iterator[np.ndarray]:
+    """Row indices of endless shuffled batches of `n` rows, deterministic in (seed, step): epoch e is
+    permutation (seed, e), and a batch that crosses an epoch's end continues into the next one."""
+    step = start_step
+    while True:
+        epoch, offset = divmod(step * batch_size, n)
+        order = np.random.default_rng((seed, epoch)).permutation(n)
+        idx = np.concatenate([order, np.random.default_rng((seed, epoch + 1)).permutation(n)])
+        pick = idx[offset:offset + batch_size]
+        yield pick if len(pick) == batch_size else np.resize(pick, batch_size)  # tiny sets wrap around
+        step += 1
+
+
 class TokenDataset:
     """Prompt+response token sequences cut to `seq_len`, with a loss mask over response tokens."""
 
@@ -297,14 +310,5 @@ class TokenDataset:
 
     def batches(self, batch_size: int, seed: int, start_step: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Endless shuffled batches; deterministic in (seed, step) so a resumed run sees the same data."""
-        n = len(self)
-        step = start_step
-        while True:
-            epoch, offset = divmod(step * batch_size, n)
-            order = np.random.default_rng((seed, epoch)).permutation(n)
-            idx = np.concatenate([order, np.random.default_rng((seed, epoch + 1)).permutation(n)])
-            pick = idx[offset:offset + batch_size]
-            if len(pick) < batch_size:  # tiny data sets: wrap around
-                pick = np.resize(pick, batch_size)
+        for pick in batch_indices(len(self), batch_size, seed, start_step):
             yield self.tokens[pick], self.loss_mask[pick]
-            step += 1

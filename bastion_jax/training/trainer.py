@@ -25,7 +25,7 @@ import math
 import time
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ import optax
 from flax import nnx
 
 from bastion_jax.checkpoint import LoadedDrafter, Target
-from bastion_jax.training.data import TokenDataset
+from bastion_jax.training.data import TokenDataset, batch_indices
 from bastion_jax.training.features import FeatureStore, fingerprint, target_fingerprint
 from bastion_jax.training.forward import drafter_blocks, matmul, target_features
 from bastion_jax.training.objective import (Blocks, Metrics, Objective, block_loss, default_gamma, make_blocks,
@@ -125,19 +125,6 @@ def eval_step(params, vocab: LossVocab, embed, features, tokens, loss_mask, key,
 @partial(jax.jit, static_argnames=("target_def", "tap_layers", "cache_dtype"))
 def _features(target_state, tokens, *, target_def, tap_layers, cache_dtype):
     return target_features(nnx.merge(target_def, target_state), tokens, tap_layers, cache_dtype)
-
-
-def batch_indices(n: int, batch_size: int, seed: int, start_step: int = 0) -> Iterator[np.ndarray]:
-    """Row indices of `TokenDataset.batches(batch_size, seed, start_step)`, batch by batch (the same
-    deterministic shuffle; the trainer needs the indices to find each row's cached features)."""
-    step = start_step
-    while True:
-        epoch, offset = divmod(step * batch_size, n)
-        order = np.random.default_rng((seed, epoch)).permutation(n)
-        idx = np.concatenate([order, np.random.default_rng((seed, epoch + 1)).permutation(n)])
-        pick = idx[offset:offset + batch_size]
-        yield pick if len(pick) == batch_size else np.resize(pick, batch_size)  # tiny sets wrap around
-        step += 1
 
 
 def _mean(metrics: list[Metrics]) -> dict[str, float]:
