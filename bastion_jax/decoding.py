@@ -42,8 +42,10 @@ def prefill(state: nnx.State, cache: KVCache, tokens: jax.Array, lengths: jax.Ar
 
 @partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
 def decode(state: nnx.State, cache: KVCache, tokens: jax.Array, lengths: jax.Array, key: jax.Array,
-           *, graphdef: nnx.GraphDef, sampling: SamplingConfig):
-    """One token per row: tokens [batch] written at slot/position lengths[b]. Returns (next, cache)."""
+           active: jax.Array | None = None, *, graphdef: nnx.GraphDef, sampling: SamplingConfig):
+    """One token per row: tokens [batch] written at slot/position lengths[b] (not for rows with
+    `active[b]` False: finished rows of a batch). Returns (next, cache)."""
     model = nnx.merge(graphdef, state)
-    out = model(tokens[:, None], lengths[:, None], cache, lengths, causal_mask(lengths, 1, cache.max_len))
+    out = model(tokens[:, None], lengths[:, None], cache, lengths, causal_mask(lengths, 1, cache.max_len),
+                active=active)
     return sample(out.logits[:, 0], key, sampling), out.cache

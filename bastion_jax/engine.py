@@ -231,7 +231,8 @@ class Engine:
             prefill = self._executable(decoding.prefill, ("prefill",) + prefill_key,
                                        (self.target.state, tcache, tokens, lengths, rng), static)
             step = self._executable(decoding.decode, ("decode",) + step_key,
-                                    (self.target.state, tcache, jax.ShapeDtypeStruct((batch,), i32), lengths, rng),
+                                    (self.target.state, tcache, jax.ShapeDtypeStruct((batch,), i32), lengths, rng,
+                                     jax.ShapeDtypeStruct((batch,), bool)),
                                     static)
             return prefill, step
         static = self._spec_static(sampling)
@@ -494,7 +495,8 @@ class Engine:
             rng, sub = jax.random.split(rng)
             active = ~rows.done
             if policy.kind == "ar":
-                nxt, tcache = step(self.target.state, tcache, jax.device_put(cur), jax.device_put(lengths), sub)
+                nxt, tcache = step(self.target.state, tcache, jax.device_put(cur), jax.device_put(lengths), sub,
+                                   jax.device_put(active))
                 cur = np.asarray(nxt)
                 new = [[cur[i]] for i in range(batch)]
                 counts = np.ones(batch, np.int64)

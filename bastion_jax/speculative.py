@@ -106,7 +106,8 @@ class StepOutput:
 
 def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array,
                  ctx_len: jax.Array, root: jax.Array, *, block_size: int, mask_token_id: int,
-                 proposal: Optional[Proposal], draft_vocab: Optional[DraftVocab] = None) -> tuple[jax.Array, KVCache]:
+                 proposal: Optional[Proposal], draft_vocab: Optional[DraftVocab] = None,
+                 active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """Inject `features` [b, C, F] (first ctx_len real) at ctx_start, then draft the block after `root`.
 
     Returns the per-position logits [b, B-1, vocab] (slot k predicts position s + k, s = root's
@@ -116,7 +117,7 @@ def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, c
     b = root.shape[0]
     block = jnp.concatenate([root[:, None], jnp.full((b, block_size - 1), mask_token_id, jnp.int32)], axis=1)
     if drafter is not None:
-        hidden, drafter_cache = drafter(target.embed_tokens(block), features, ctx_start, ctx_len, drafter_cache)
+        hidden, drafter_cache = drafter(target.embed_tokens(block), features, ctx_start, ctx_len, drafter_cache, active)
         if draft_vocab is not None:
             w = draft_vocab.weight  # [N, h]
             logits = jnp.einsum("bkh,nh->bkn", hidden[:, 1:].astype(w.dtype), w,
@@ -179,7 +180,7 @@ def spec_step(target_state, drafter_state, state: SpecState, active: jax.Array, 
     tokens = jnp.concatenate([state.root[:, None], state.drafts], axis=1)  # [b, B]
     positions = length[:, None] + jnp.arange(block_size)[None]
     out = target(tokens, positions, cache, length, causal_mask(length, block_size, cache.max_len),
-                 tap_layers=tap_layers)
+                 tap_layers=tap_layers, active=active)
     choices = sample(out.logits, key, sampling)  # [b, B]: the target's token after each slot
     accepted = accept_chain(state.drafts, choices)  # [b]
     bonus = jnp.take_along_axis(choices, accepted[:, None], axis=1)[:, 0]
@@ -192,6 +193,6 @@ def spec_step(target_state, drafter_state, state: SpecState, active: jax.Array, 
     features = out.taps if out.taps is not None else jnp.zeros((tokens.shape[0], block_size, 1), jnp.float32)
     drafts, drafter_cache = draft_block(target, drafter, state.drafter_cache, features, length, n_ctx, bonus,
                                         block_size=block_size, mask_token_id=mask_token_id, proposal=proposal,
-                                        draft_vocab=draft_vocab)
+                                        draft_vocab=draft_vocab, active=active)
     new_state = SpecState(out.cache, drafter_cache, bonus, drafts, new_length)
     return new_state, StepOutput(emitted, accepted + 1)

@@ -61,10 +61,10 @@ _STATIC = ("target_def", "drafter_def", "sampling", "block_size", "mask_token_id
 
 
 def _next_tree(target, drafter, drafter_cache, features, ctx_start, ctx_len, root, draft_vocab=None, *, block_size,
-               mask_token_id, proposal, buckets, top_k):
+               mask_token_id, proposal, buckets, top_k, active=None):
     logits, drafter_cache = draft_logits(target, drafter, drafter_cache, features, ctx_start, ctx_len, root,
                                          block_size=block_size, mask_token_id=mask_token_id, proposal=proposal,
-                                         draft_vocab=draft_vocab)
+                                         draft_vocab=draft_vocab, active=active)
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [b, B-1, vocab or N]
     tree = jax.vmap(build_tree, in_axes=(0, 0, None, None))(root, log_probs, max(buckets), top_k)
     if draft_vocab is not None:  # node tokens index the draft vocabulary; the root is a target id already
@@ -93,8 +93,8 @@ def tree_prefill(target_state, drafter_state, target_cache: KVCache, drafter_cac
 
 
 def _then(then: int, target, drafter, state: TreeState, pending: jax.Array, pending_len: jax.Array,
-          ctx_start: jax.Array, root: jax.Array, draft_vocab: Optional[DraftVocab], *, block_size, mask_token_id,
-          proposal, buckets, top_k):
+          ctx_start: jax.Array, root: jax.Array, draft_vocab: Optional[DraftVocab], active: jax.Array, *, block_size,
+          mask_token_id, proposal, buckets, top_k):
     """What a step does after committing (`then` is static: each variant is its own executable, so
     a step that holds never touches the drafter cache): HOLD buffers the features (the next step is
     a root step), DRAFT drafts the next tree (injecting every buffered feature first), FLUSH injects
@@ -105,13 +105,13 @@ def _then(then: int, target, drafter, state: TreeState, pending: jax.Array, pend
     if then == DRAFT:
         tree, curve, dcache = _next_tree(target, drafter, state.drafter_cache, pending, ctx_start, pending_len, root,
                                          draft_vocab, block_size=block_size, mask_token_id=mask_token_id,
-                                         proposal=proposal, buckets=buckets, top_k=top_k)
+                                         proposal=proposal, buckets=buckets, top_k=top_k, active=active)
         return dcache, tree, curve, jnp.zeros_like(pending_len)
     if then != FLUSH:
         raise ValueError(f"then must be HOLD (0), DRAFT (1) or FLUSH (2), got {then!r}")
     dcache = state.drafter_cache
     if drafter is not None:
-        dcache = drafter.inject(pending, ctx_start, dcache, target.embed_tokens.weight.dtype)
+        dcache = drafter.inject(pending, ctx_start, dcache, target.embed_tokens.weight.dtype, active)
     return dcache, root_tree(root, state.tree), no_curve, jnp.zeros_like(pending_len)
 
 
@@ -130,7 +130,7 @@ def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, 
     tokens = jnp.maximum(tree.tokens, 0)  # padding nodes (-1) embed token 0; they can never be accepted
     positions = length[:, None] + tree.depths  # [b, n]
     mask = tree_attention_mask(length, tree.ancestors, cache.max_len)
-    out = target(tokens, positions, cache, length, mask, tap_layers=tap_layers)
+    out = target(tokens, positions, cache, length, mask, tap_layers=tap_layers, active=active)
     choices = sample(out.logits, key, sampling)  # [b, n]: the target's token after each node
     depth = block_size - 1
     path, accepted = jax.vmap(walk, in_axes=(0, 0, 0, None))(tree.tokens, tree.parents, choices, depth)
@@ -140,15 +140,15 @@ def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, 
     path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)  # [b, depth + 1], root first
     emitted = jnp.where(slots < accepted[:, None], jnp.roll(path_tokens, -1, axis=1), bonus[:, None])
     emitted = jnp.where(slots <= accepted[:, None], emitted, -1)
-    target_cache = compact_cache(out.cache, length, path)
+    target_cache = compact_cache(out.cache, length, path, active)
     features = (jnp.take_along_axis(out.taps, path[:, :, None], axis=1) if out.taps is not None
                 else jnp.zeros((tokens.shape[0], depth + 1, 1), jnp.float32))  # [b, depth + 1, F]
     new_length = jnp.where(active, length + accepted + 1, length)
     n_ctx = jnp.where(active, accepted + 1, 0)
-    pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len)  # [b, W, F]
+    pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len, active)  # [b, W, F]
     drafter_cache, next_tree, curve, pending_len = _then(
         then, target, drafter, state, pending, state.pending_len + n_ctx,
-        length - state.pending_len, bonus, draft_vocab, block_size=block_size, mask_token_id=mask_token_id,
+        length - state.pending_len, bonus, draft_vocab, active, block_size=block_size, mask_token_id=mask_token_id,
         proposal=proposal,
         buckets=buckets, top_k=top_k)
     new_state = TreeState(target_cache, drafter_cache, next_tree, new_length, pending, pending_len)
@@ -169,14 +169,14 @@ def root_step(target_state, drafter_state, state: TreeState, active: jax.Array, 
     length = state.length
     cache = state.target_cache
     out = target(root[:, None], length[:, None], cache, length, causal_mask(length, 1, cache.max_len),
-                 tap_layers=tap_layers)
+                 tap_layers=tap_layers, active=active)
     choice = sample(out.logits, key, sampling)[:, 0]  # [b]
     features = (out.taps if out.taps is not None else jnp.zeros((root.shape[0], 1, 1), jnp.float32))  # [b, 1, F]
     n_new = active.astype(jnp.int32)
-    pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len)
+    pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len, active)
     drafter_cache, next_tree, curve, pending_len = _then(
         then, target, drafter, state, pending, state.pending_len + n_new,
-        length - state.pending_len, choice, draft_vocab, block_size=block_size, mask_token_id=mask_token_id,
+        length - state.pending_len, choice, draft_vocab, active, block_size=block_size, mask_token_id=mask_token_id,
         proposal=proposal,
         buckets=buckets, top_k=top_k)
     new_state = TreeState(out.cache, drafter_cache, next_tree, length + n_new, pending, pending_len)

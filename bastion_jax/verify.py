@@ -41,15 +41,16 @@ def walk(tokens: jax.Array, parents: jax.Array, choices: jax.Array, max_depth: i
     return jnp.stack(path), accepted
 
 
-def compact_cache(cache: KVCache, start: jax.Array, path: jax.Array) -> KVCache:
+def compact_cache(cache: KVCache, start: jax.Array, path: jax.Array, active: jax.Array | None = None) -> KVCache:
     """Move the K/V of the accepted path (slots start + path[k]) to contiguous slots start + k.
 
     Every accepted node was computed at its true position (start + depth) seeing only its
-    ancestors, so after the move the cache equals a sequential pass. path: [b, L].
+    ancestors, so after the move the cache equals a sequential pass. path: [b, L]. Rows with
+    `active[b]` False are not touched.
     """
     idx = (start[:, None] + path)[:, :, None, None]  # [b, L, 1, 1]
 
     def move(buf):
-        return write_rows(buf, jnp.take_along_axis(buf, idx, axis=1), start)
+        return write_rows(buf, jnp.take_along_axis(buf, idx, axis=1), start, active)
 
     return KVCache(k=tuple(move(k) for k in cache.k), v=tuple(move(v) for v in cache.v))

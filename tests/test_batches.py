@@ -1,6 +1,7 @@
 """Batches (issue 11.9): every row of a batch gets exactly its single-prompt output, whatever its
 prompt length, acceptance and stop point; and a step is priced at the batch it computes."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -98,3 +99,71 @@ def test_engine_prices_a_batch_run_at_its_batch(converted):
     assert engine.latency.alpha == alpha  # the batch-1 calibration is untouched by the batch run
     engine.calibrate(64, contexts=(8,), batch=3)  # profiling at batch 3 makes it the engine's model
     assert engine.latency.batch == 3 and engine.latency_for(3) is engine.latency
+
+
+def _rows(state, row: int) -> list[np.ndarray]:
+    """The cache leaves of a step state (target and drafter K/V, the feature buffer), sliced to one
+    batch row; host copies, since steps donate their state."""
+    parts = [getattr(state, name) for name in ("target_cache", "drafter_cache", "pending") if hasattr(state, name)]
+    return [np.array(x[row]) for x in jax.tree_util.tree_leaves(parts or state)]
+
+
+def _same(before: list[np.ndarray], after: list[np.ndarray]) -> bool:
+    return all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_finished_rows_write_no_kv(converted):
+    """A finished row (active False) rides along in every batched step, since shapes are static, but
+    no step writes anything of it: its target cache, drafter cache and feature buffer stay
+    bit-identical, in every step kind (AR decode, chain step, tree step, root step hold / draft /
+    flush), while the active row's do change."""
+    from bastion_jax.checkpoint import random_drafter
+    from bastion_jax.decoding import decode
+    from bastion_jax.modeling.cache import KVCache
+    from bastion_jax.sampling import SamplingConfig
+    from bastion_jax.speculative import spec_prefill, spec_step
+    from bastion_jax.testing import tiny_drafter_config
+    from bastion_jax.tree_decoding import root_step, tree_prefill, tree_step
+
+    _, target = converted("qwen3")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK), seed=3)
+    prompts = np.array([[5, 9, 11, 4] + [0] * 12, [7, 3, 20, 21, 22, 0] + [0] * 10], np.int32)
+    lens = jnp.asarray([4, 6], jnp.int32)
+    active = jnp.asarray([True, False])
+    key = jax.random.PRNGKey(0)
+    sampling = SamplingConfig()
+    caches = lambda: (KVCache.create(target.config, 2, 64, target.dtype),  # noqa: E731
+                      KVCache.create(drafter.config, 2, 64, target.dtype))
+    common = dict(target_def=target.graphdef, drafter_def=drafter.graphdef, sampling=sampling, block_size=BLOCK,
+                  mask_token_id=drafter.config.mask_token_id, tap_layers=tuple(drafter.config.target_layer_ids),
+                  proposal=None)
+    tree_static = dict(common, buckets=BUCKETS, top_k=2)
+
+    def check(state, step):
+        frozen, moving = _rows(state, 1), _rows(state, 0)
+        state = step(state)
+        assert _same(frozen, _rows(state, 1)), "a finished row's caches changed"
+        assert not _same(moving, _rows(state, 0)), "the active row's caches did not change"
+        return state
+
+    tcache, dcache = caches()
+    state, _ = tree_prefill(target.state, drafter.state, tcache, dcache, jnp.asarray(prompts), lens, key,
+                            **tree_static)
+    tree = lambda then, b=8: lambda s: tree_step(target.state, drafter.state, s, active, key,  # noqa: E731
+                                                 bucket=b, then=then, **tree_static)[0]
+    root = lambda then: lambda s: root_step(target.state, drafter.state, s, active, key,  # noqa: E731
+                                            then=then, **tree_static)[0]
+    state = check(state, tree(1))      # verify a tree, draft the next
+    state = check(state, tree(0, 4))   # verify, hold the features
+    state = check(state, root(0))      # AR step, hold
+    state = check(state, root(2))      # AR step, flush into the drafter
+    check(state, root(1))              # AR step, draft
+
+    tcache, dcache = caches()
+    spec = spec_prefill(target.state, drafter.state, tcache, dcache, jnp.asarray(prompts), lens, key, **common)
+    check(spec, lambda s: spec_step(target.state, drafter.state, s, active, key, **common)[0])
+
+    tcache, _ = caches()
+    ar = dict(graphdef=target.graphdef, sampling=sampling)
+    tokens = jnp.asarray([3, 4], jnp.int32)
+    check(tcache, lambda c: decode(target.state, c, tokens, lens, key, active, **ar)[1])

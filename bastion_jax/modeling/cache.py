@@ -34,18 +34,24 @@ class KVCache:
         return self.k[0].shape[1]
 
 
-def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array, active: jax.Array | None = None) -> jax.Array:
     """Write `new` `[batch, t, ...]` into `buf` `[batch, max_len, ...]` at per-row slot `start[b]`.
 
+    Rows with `active[b]` False (finished rows of a batch) are left exactly as they were: a batch
+    step still computes them (shapes are static), but nothing they compute lands in a cache.
     Callers guarantee `start + t <= max_len` (checked on the host), since dynamic_update_slice
     would otherwise clamp the offset and silently shift the write.
     """
 
-    def one(row: jax.Array, upd: jax.Array, s: jax.Array) -> jax.Array:
+    def one(row: jax.Array, upd: jax.Array, s: jax.Array, keep_new: jax.Array) -> jax.Array:
         idx = (s,) + (0,) * (row.ndim - 1)
-        return jax.lax.dynamic_update_slice(row, upd.astype(row.dtype), idx)
+        upd = upd.astype(row.dtype)
+        old = jax.lax.dynamic_slice(row, idx, upd.shape)
+        return jax.lax.dynamic_update_slice(row, jnp.where(keep_new, upd, old), idx)
 
-    return jax.vmap(one)(buf, new, start)
+    if active is None:
+        active = jnp.ones(buf.shape[:1], bool)
+    return jax.vmap(one)(buf, new, start, active)
 
 
 def causal_mask(start: jax.Array, q_len: int, kv_len: int) -> jax.Array:

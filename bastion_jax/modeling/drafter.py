@@ -79,13 +79,14 @@ class Drafter(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def __call__(self, block_emb: jax.Array, ctx_features: jax.Array, ctx_start: jax.Array,
-                 ctx_len: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+                 ctx_len: jax.Array, cache: KVCache, active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """One drafting call.
 
         block_emb: [b, B, h] target embeddings of [root, MASK...]; ctx_features: [b, C, n_taps*h]
         features of the newly committed tokens at positions ctx_start + i (only the first ctx_len
         rows are real; the rest are padding). The root sits at s = ctx_start + ctx_len.
-        Returns the final-normed block hidden states [b, B, h] and the cache with the new context.
+        Returns the final-normed block hidden states [b, B, h] and the cache with the new context
+        (rows with `active[b]` False keep their cache unchanged).
         """
         b, block, _ = block_emb.shape
         c = ctx_features.shape[1]
@@ -102,14 +103,15 @@ class Drafter(nnx.Module):
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.self_attn.context_kv(x_ctx, rope_ctx)  # [b, C, kv_heads, d]
-            k_buf = write_rows(cache.k[i], k_ctx, ctx_start)
-            v_buf = write_rows(cache.v[i], v_ctx, ctx_start)
+            k_buf = write_rows(cache.k[i], k_ctx, ctx_start, active)
+            v_buf = write_rows(cache.v[i], v_ctx, ctx_start, active)
             h = layer(h, rope_blk, k_buf, v_buf, mask)
             ks.append(k_buf)
             vs.append(v_buf)
         return self.norm(h), KVCache(k=tuple(ks), v=tuple(vs))
 
-    def inject(self, ctx_features: jax.Array, ctx_start: jax.Array, cache: KVCache, dtype: jnp.dtype) -> KVCache:
+    def inject(self, ctx_features: jax.Array, ctx_start: jax.Array, cache: KVCache, dtype: jnp.dtype,
+               active: jax.Array | None = None) -> KVCache:
         """Write context K/V for `ctx_features` [b, C, n_taps*h] at positions ctx_start + i, without
         drafting a block: exactly what `__call__` (with block embeddings of `dtype`) does to the
         cache, for steps that only catch the drafter up."""
@@ -120,8 +122,8 @@ class Drafter(nnx.Module):
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.self_attn.context_kv(x_ctx, rope_ctx)  # [b, C, kv_heads, d]
-            ks.append(write_rows(cache.k[i], k_ctx, ctx_start))
-            vs.append(write_rows(cache.v[i], v_ctx, ctx_start))
+            ks.append(write_rows(cache.k[i], k_ctx, ctx_start, active))
+            vs.append(write_rows(cache.v[i], v_ctx, ctx_start, active))
         return KVCache(k=tuple(ks), v=tuple(vs))
 
     def project(self, features: jax.Array) -> jax.Array:

@@ -35,7 +35,7 @@ class Attention(nnx.Module):
         self.heads = (hq, hkv, d)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, k_buf: jax.Array,
-                 v_buf: jax.Array, start: jax.Array, mask: jax.Array):
+                 v_buf: jax.Array, start: jax.Array, mask: jax.Array, active: jax.Array | None):
         b, t, _ = x.shape
         hq, hkv, d = self.heads
         q = self.q_proj(x).reshape(b, t, hq, d)  # [b, t, q_heads, d]
@@ -44,8 +44,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_buf = write_rows(k_buf, k, start)  # [b, max_len, kv_heads, d]
-        v_buf = write_rows(v_buf, v, start)
+        k_buf = write_rows(k_buf, k, start, active)  # [b, max_len, kv_heads, d]
+        v_buf = write_rows(v_buf, v, start, active)
         out = attend(q, k_buf.astype(q.dtype), v_buf.astype(q.dtype), mask)
         return self.o_proj(out), k_buf, v_buf
 
@@ -58,8 +58,8 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=cfg.mlp_bias, dtype=dtype,
                        rngs=rngs)
 
-    def __call__(self, x, cos, sin, k_buf, v_buf, start, mask):
-        attn, k_buf, v_buf = self.self_attn(self.input_layernorm(x), cos, sin, k_buf, v_buf, start, mask)
+    def __call__(self, x, cos, sin, k_buf, v_buf, start, mask, active=None):
+        attn, k_buf, v_buf = self.self_attn(self.input_layernorm(x), cos, sin, k_buf, v_buf, start, mask, active)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_buf, v_buf
@@ -94,21 +94,21 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: jax.Array,
                  mask: jax.Array, *, tap_layers: Sequence[int] = (),
-                 logits_index: jax.Array | None = None) -> ForwardOutput:
+                 logits_index: jax.Array | None = None, active: jax.Array | None = None) -> ForwardOutput:
         """Run `tokens` `[batch, t]` at RoPE `positions` `[batch, t]`, writing K/V at slots
         `start[b] + i` and attending with `mask` `[batch, t, max_len]`.
 
         `logits_index` `[batch, n]` picks which of the t positions get logits (prefill only needs
         the last real one); None means all. `tap_layers` returns the outputs of those decoder
         layers (0-based; the last one after the final norm, as HF's `hidden_states`), concatenated in
-        the given order: the DFlash feature tap.
+        the given order: the DFlash feature tap. Rows with `active[b]` False write no K/V.
         """
         x = self.embed_tokens(tokens)  # [b, t, hidden]
         inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim)  # trace-time constant
         cos, sin = rope_cos_sin(inv_freq, positions, x.dtype)
         ks, vs, taps = [], [], {}
         for i, layer in enumerate(self.layers):
-            x, k_buf, v_buf = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask)
+            x, k_buf, v_buf = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask, active)
             ks.append(k_buf)
             vs.append(v_buf)
             if i in tap_layers:
