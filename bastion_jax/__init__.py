@@ -3,7 +3,7 @@
 The public API is re-exported here; submodules each hold one job (see docs/architecture.md).
 """
 
-from bastion_jax.checkpoint import CheckpointError, Target, load_target, random_target
+from bastion_jax.checkpoints import CheckpointError, Target, load_target, random_target
 from bastion_jax.config import ConfigError, RopeConfig, TargetConfig
 from bastion_jax.engine import Engine, GenerationError, Result, Stats
 from bastion_jax.sampling import SamplingConfig

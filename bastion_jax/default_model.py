@@ -54,7 +54,7 @@ def cache_root() -> Path:
 
 def default_target_dir(verbose: bool = True) -> Path:
     """The converted default checkpoint, converting it on first use."""
-    from checkpoints_convert import convert
+    from bastion_jax.checkpoints import convert
 
     gguf = default_gguf()
     st = gguf.stat()

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bastion_jax import compile_counter, decoding, speculative, tree_decoding
-from bastion_jax.checkpoint import LoadedDrafter, Target
+from bastion_jax.checkpoints import LoadedDrafter, Target
 from bastion_jax.controller import DEFAULT_BUCKETS, Controller, Policy, PolicyError
 from bastion_jax.draft_gate import DraftGate
 from bastion_jax.tree_decoding import DRAFT, FLUSH, HOLD

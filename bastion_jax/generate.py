@@ -123,7 +123,7 @@ def load_or_calibrate(engine, model: str, cache_len: int, sampling, skip: bool, 
 
 def load_models(args, log):
     """(target path, target, drafter or None), as the flags ask; logs what was loaded and in which dtype."""
-    from bastion_jax.checkpoint import load_drafter, load_target, random_drafter
+    from bastion_jax.checkpoints import load_drafter, load_target, random_drafter
     from bastion_jax.default_model import default_target_dir
 
     if args.block_size is not None and args.drafter != "random":
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log = stderr_log(args.quiet)
 
-    from bastion_jax.checkpoint import CheckpointError
+    from bastion_jax.checkpoints import CheckpointError
     from bastion_jax.default_model import DefaultModelError
     from bastion_jax.engine import Engine, GenerationError
     from bastion_jax.sampling import SamplingConfig

@@ -102,7 +102,7 @@ def init_on_device(cfg: TargetConfig | DrafterConfig, dtype: jnp.dtype, seed: in
 
 def random_models(target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None, dtype: jnp.dtype, seed: int = 0):
     """(Target, LoadedDrafter | None) with random weights; the Target has no tokenizer."""
-    from bastion_jax.checkpoint import LoadedDrafter, Target
+    from bastion_jax.checkpoints import LoadedDrafter, Target
 
     graphdef, state = init_on_device(target_cfg, dtype, seed)
     target = Target(target_cfg, graphdef, state, tokenizer_dir=Path("."))

@@ -442,7 +442,7 @@ def setup(args, log=lambda msg: None) -> Setup:
         model_name = f"arch:{label}|random"
         draft_vocab = None
     else:
-        from bastion_jax.checkpoint import load_drafter, load_target, random_drafter
+        from bastion_jax.checkpoints import load_drafter, load_target, random_drafter
         from bastion_jax.testing import tiny_drafter_config
 
         target = load_target(args.target, dtype)
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log = stderr_log(args.quiet)
 
-    from bastion_jax.checkpoint import CheckpointError
+    from bastion_jax.checkpoints import CheckpointError
     from bastion_jax.config import ConfigError
     from bastion_jax.engine import GenerationError
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bastion_jax.checkpoint import Target
+    from bastion_jax.checkpoints import Target
 
 
 def load_tokenizer(target: "Target"):
@@ -17,7 +17,7 @@ def load_tokenizer(target: "Target"):
     dir holds ordinary tokenizer files (a converted GGUF checkpoint included: the converter saves
     them), which `AutoTokenizer` reads without torch.
     """
-    from bastion_jax.checkpoint import CheckpointError
+    from bastion_jax.checkpoints import CheckpointError
     from bastion_jax.gguf_tokenizer import GGUFTokenizerError, load_gguf_tokenizer, quiet_transformers
 
     quiet_transformers()

@@ -163,9 +163,9 @@ def run_train(args, target, log) -> None:
     import jax
     import jax.numpy as jnp
 
-    from bastion_jax.checkpoint import load_drafter, random_drafter
+    from bastion_jax.checkpoints import load_drafter, random_drafter
     from bastion_jax.training import TokenDataset, TrainConfig, Trainer, init_from_target, save_ranking
-    from checkpoints_convert.dflash import export_zlab
+    from bastion_jax.checkpoints.dflash import export_zlab
 
     if args.init and args.init_from_target:
         raise ValueError("--init and --init-from-target both choose the starting weights; pass one")
@@ -213,7 +213,7 @@ def run_eval(args, target, log) -> None:
     import jax
 
     from bastion_jax.acceptance import acceptance, markdown, read_prompts, resolve_prompt_file, set_name
-    from bastion_jax.checkpoint import load_drafter
+    from bastion_jax.checkpoints import load_drafter
     from bastion_jax.controller import Policy, parse_buckets
     from bastion_jax.default_model import default_drafter_dir
     from bastion_jax.engine import Engine
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log = stderr_log(args.quiet)
 
-    from bastion_jax.checkpoint import CheckpointError, load_target
+    from bastion_jax.checkpoints import CheckpointError, load_target
     from bastion_jax.config import ConfigError
     from bastion_jax.default_model import DefaultModelError, default_target_dir
     from bastion_jax.generate import dtype_note, resolve_dtype

@@ -18,8 +18,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="parameter dtype to store (default: bfloat16)")
     args = p.parse_args(argv)
 
-    from checkpoints_convert.convert import convert
-    from checkpoints_convert.errors import ConversionError
+    from bastion_jax.checkpoints.convert import convert
+    from bastion_jax.checkpoints.errors import ConversionError
 
     t0 = time.perf_counter()
     try:

@@ -12,9 +12,9 @@ def converted(tmp_path_factory):
     """`converted(arch)` -> (torch model, loaded Target) via save_pretrained -> convert -> load."""
     import jax.numpy as jnp
 
-    from bastion_jax.checkpoint import load_target
+    from bastion_jax.checkpoints import load_target
     from bastion_jax.testing import save_tiny_hf
-    from checkpoints_convert import convert
+    from bastion_jax.checkpoints import convert
 
     cache = {}
 
@@ -34,7 +34,7 @@ def vocab6_target(tmp_path_factory):
     """A tiny Qwen3 target over 6 tokens: exact laws are cheap to enumerate for sampling tests."""
     import jax.numpy as jnp
 
-    from bastion_jax.checkpoint import load_target
+    from bastion_jax.checkpoints import load_target
     from bastion_jax.testing import save_tiny_hf
 
     root = tmp_path_factory.mktemp("vocab6")

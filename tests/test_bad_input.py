@@ -49,7 +49,7 @@ def _save_tiny_hf(directory: Path) -> None:
 @pytest.fixture(scope="module")
 def _tiny(tmp_path_factory) -> dict[str, Path]:
     """{"hf": tiny HF checkpoint dir (with tokenizer), "ours": the same converted to float32}."""
-    from checkpoints_convert import convert
+    from bastion_jax.checkpoints import convert
 
     root = tmp_path_factory.mktemp("tiny_bad_input")
     _save_tiny_hf(root / "hf")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bastion_jax.checkpoint import random_drafter
+from bastion_jax.checkpoints import random_drafter
 from bastion_jax.controller import Controller, Policy, PolicyError
 from bastion_jax.engine import Engine, GenerationError
 from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims

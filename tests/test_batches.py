@@ -117,7 +117,7 @@ def test_finished_rows_write_no_kv(converted):
     no step writes anything of it: its target cache, drafter cache and feature buffer stay
     bit-identical, in every step kind (AR decode, chain step, tree step, root step hold / draft /
     flush), while the active row's do change."""
-    from bastion_jax.checkpoint import random_drafter
+    from bastion_jax.checkpoints import random_drafter
     from bastion_jax.decoding import decode
     from bastion_jax.modeling.cache import KVCache
     from bastion_jax.sampling import SamplingConfig

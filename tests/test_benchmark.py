@@ -5,7 +5,7 @@ import json
 
 from benchmarks import run
 from bastion_jax.testing import save_tiny_hf
-from checkpoints_convert import convert
+from bastion_jax.checkpoints import convert
 
 
 def test_harness_writes_results_and_all_modes_match_ar(tmp_path):

@@ -9,10 +9,10 @@ two and speculative output would drift from AR. Logits are accumulated in float3
 import jax.numpy as jnp
 import pytest
 
-from bastion_jax.checkpoint import load_target, random_drafter
+from bastion_jax.checkpoints import load_target, random_drafter
 from bastion_jax.engine import Engine
 from bastion_jax.testing import DraftingPays, greedy_continuation, save_tiny_hf, tiny_drafter_config
-from checkpoints_convert import convert
+from bastion_jax.checkpoints import convert
 
 BLOCK = 6
 N_NEW = 72

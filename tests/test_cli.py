@@ -7,7 +7,7 @@ import pytest
 
 from bastion_jax import generate
 from bastion_jax.testing import save_tiny_hf
-from checkpoints_convert import convert
+from bastion_jax.checkpoints import convert
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_calibration_key_follows_the_setting_not_the_spelling(tiny_ckpt, tmp_pat
 
     import jax.numpy as jnp
 
-    from bastion_jax.checkpoint import load_target, random_drafter
+    from bastion_jax.checkpoints import load_target, random_drafter
     from bastion_jax.engine import Engine
     from bastion_jax.testing import tiny_drafter_config
 

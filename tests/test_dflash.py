@@ -16,14 +16,14 @@ from dflash_reference import random_zlab_drafter, reference_context_features, re
 from flax import nnx
 from safetensors.numpy import save_file
 
-from bastion_jax.checkpoint import CheckpointError, load_drafter, random_drafter
+from bastion_jax.checkpoints import CheckpointError, load_drafter, random_drafter
 from bastion_jax.config import TargetConfig
 from bastion_jax.engine import Engine
 from bastion_jax.modeling.cache import KVCache, causal_mask
 from bastion_jax.sampling import SamplingConfig
 from bastion_jax.testing import greedy_continuation, next_token_probs, pair_chi_square, tiny_drafter_config, two_token_law
-from checkpoints_convert import convert
-from checkpoints_convert.dflash import export_zlab
+from bastion_jax.checkpoints import convert
+from bastion_jax.checkpoints.dflash import export_zlab
 
 
 def _target_cfg_for(zcfg: dict) -> TargetConfig:

@@ -1,7 +1,7 @@
 """GGUF round trip: a tiny random HF Llama written as llama.cpp would write it, read back by us.
 
 llama.cpp's converter permutes the rows of Q and K (rotate-half RoPE pairs -> interleaved pairs);
-`checkpoints_convert.gguf_file` must undo that with the right head count (num_key_value_heads for
+`bastion_jax.checkpoints.gguf_file` must undo that with the right head count (num_key_value_heads for
 K). The weights are drawn with a large spread (norm weights too) so that a wrong permutation, a
 swapped tensor or a wrong head count moves the logits far beyond the tolerance.
 """
@@ -16,9 +16,9 @@ import torch
 import transformers
 from flax import nnx
 
-from bastion_jax.checkpoint import load_target
+from bastion_jax.checkpoints import load_target
 from bastion_jax.modeling.cache import KVCache, causal_mask
-from checkpoints_convert.gguf_file import unpermute_qk
+from bastion_jax.checkpoints.gguf_file import unpermute_qk
 
 _N_HEADS, _N_KV_HEADS, _LAYERS = 4, 2, 2
 _ROPE_THETA, _EPS = 500.0, 1e-5

@@ -138,7 +138,7 @@ def test_saved_tokenizer_reloads_without_the_gguf(saved, reference):
 def test_converter_saves_a_torch_free_tokenizer(gguf_path, reference, tmp_path):
     """The GGUF source's save_tokenizer writes tokenizer files that load_tokenizer reads back plainly."""
     from bastion_jax.text import load_tokenizer
-    from checkpoints_convert.source import open_source
+    from bastion_jax.checkpoints.source import open_source
 
     open_source(gguf_path).save_tokenizer(tmp_path)
     assert (tmp_path / "tokenizer.json").is_file()
@@ -165,7 +165,7 @@ def test_runtime_never_imports_torch(gguf_path, tmp_path):
         from pathlib import Path
         from types import SimpleNamespace
         from bastion_jax.text import load_tokenizer
-        from checkpoints_convert.source import open_source
+        from bastion_jax.checkpoints.source import open_source
 
         gguf = Path({str(gguf_path)!r})
         direct = load_tokenizer(SimpleNamespace(tokenizer_dir=gguf.parent, tokenizer_gguf=gguf.name))
@@ -186,7 +186,7 @@ def test_runtime_never_imports_torch(gguf_path, tmp_path):
 def test_bad_gguf_gives_one_clear_error(tmp_path):
     import gguf
 
-    from bastion_jax.checkpoint import CheckpointError
+    from bastion_jax.checkpoints import CheckpointError
     from bastion_jax.text import load_tokenizer
 
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all" * 10)

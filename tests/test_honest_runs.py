@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bastion_jax.checkpoint import load_drafter, load_target, random_drafter
+from bastion_jax.checkpoints import load_drafter, load_target, random_drafter
 from bastion_jax.engine import MAX_NEW_TOKENS, Engine, GenerationError
 from bastion_jax.testing import tiny_drafter_config
 
@@ -113,7 +113,7 @@ def test_hf_checkpoints_load_in_their_own_dtype(bf16_hf, tmp_path):
 
 
 def test_convert_without_a_dtype_keeps_the_sources(bf16_hf, tmp_path):
-    from checkpoints_convert import convert
+    from bastion_jax.checkpoints import convert
 
     convert(bf16_hf, tmp_path / "ours", dtype=None)
     assert json.loads((tmp_path / "ours" / "config.json").read_text())["bastion_jax"]["dtype"] == "bfloat16"
@@ -121,7 +121,7 @@ def test_convert_without_a_dtype_keeps_the_sources(bf16_hf, tmp_path):
 
 
 def test_zlab_drafter_loads_in_its_own_dtype_unless_told(converted, tmp_path):
-    from checkpoints_convert.dflash import export_zlab
+    from bastion_jax.checkpoints.dflash import export_zlab
 
     _, target = converted("qwen3")
     d = random_drafter(tiny_drafter_config(target.config, block_size=4))
@@ -137,7 +137,7 @@ def test_zlab_drafter_loads_in_its_own_dtype_unless_told(converted, tmp_path):
 def test_gguf_dtype_is_its_float_matrices_or_float32_when_quantised():
     import gguf
 
-    from checkpoints_convert.gguf_file import gguf_dtype
+    from bastion_jax.checkpoints.gguf_file import gguf_dtype
 
     Q = gguf.GGMLQuantizationType
 

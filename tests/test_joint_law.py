@@ -56,7 +56,7 @@ SAMPLINGS = {
 def peaked_target(tmp_path_factory):
     """A tiny Qwen3 over 6 tokens with init scale 0.2 (HF's default is 0.02): next-token entropies of
     about 1.1-1.5 nats instead of ~1.78 (uniform: ln 6 = 1.79)."""
-    from bastion_jax.checkpoint import load_target
+    from bastion_jax.checkpoints import load_target
     from bastion_jax.testing import save_tiny_hf
 
     root = tmp_path_factory.mktemp("peaked6")

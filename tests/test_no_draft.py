@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bastion_jax.checkpoint import random_drafter
+from bastion_jax.checkpoints import random_drafter
 from bastion_jax.engine import Engine
 from bastion_jax.modeling.cache import KVCache, causal_mask
 from bastion_jax.sampling import SamplingConfig
@@ -210,9 +210,9 @@ def test_gate_drafts_for_an_oracle_and_stops_for_a_useless_drafter(converted, ki
 
 
 def test_resolve_draft_vocab(pair, tmp_path):
-    from bastion_jax.checkpoint import load_drafter
+    from bastion_jax.checkpoints import load_drafter
     from bastion_jax.speculative import RANKING_FILE, resolve_draft_vocab
-    from checkpoints_convert.dflash import export_zlab
+    from bastion_jax.checkpoints.dflash import export_zlab
 
     target, drafter = pair
     export_zlab(drafter.config, drafter.state, tmp_path / "d", jnp.float32)

@@ -74,7 +74,7 @@ def test_small_trees_rounding_and_buckets():
 
 
 def test_paper_mode_is_lossless_and_picks_multiples_of_32(converted):
-    from bastion_jax.checkpoint import random_drafter
+    from bastion_jax.checkpoints import random_drafter
     from bastion_jax.engine import Engine, GenerationError
     from bastion_jax.testing import tiny_drafter_config
 

@@ -192,7 +192,7 @@ def test_presets_match_the_published_shapes():
 def test_random_init_is_on_device_in_the_requested_dtype():
     import jax
 
-    from bastion_jax.checkpoint import abstract_state
+    from bastion_jax.checkpoints import abstract_state
 
     t, d = presets.preset_configs("smollm2-135m", layers=1, drafter_layers=1)
     target, drafter = presets.random_models(t, d, jnp.bfloat16)
@@ -233,7 +233,7 @@ def test_install_is_found_by_generate_however_the_paths_are_spelled(tmp_path, mo
     through a relative symlink, generate through the absolute path, and generate reuses the file."""
     from bastion_jax import generate
     from bastion_jax.testing import save_tiny_hf
-    from checkpoints_convert import convert
+    from bastion_jax.checkpoints import convert
 
     save_tiny_hf("llama3", tmp_path / "hf", seed=2)
     convert(tmp_path / "hf", tmp_path / "ckpt", dtype="float32")

@@ -25,7 +25,7 @@ def gguf_path():
 def test_logits_match_transformers_on_same_gguf(gguf_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bastion_jax.checkpoint import load_target
+    from bastion_jax.checkpoints import load_target
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     ids = np.array([tok("The quick brown fox jumps over the lazy dog. Paris is the capital of")["input_ids"]])

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bastion_jax.checkpoint import load_drafter, random_drafter
+from bastion_jax.checkpoints import load_drafter, random_drafter
 from bastion_jax.engine import Engine
 from bastion_jax.modeling.cache import KVCache
 from bastion_jax.speculative import draft_logits
 from bastion_jax.testing import tiny_drafter_config
 from bastion_jax.training import (DataError, Objective, TokenDataset, TrainConfig, Trainer, blocks_forward,
                                   check_not_benchmark, make_blocks, sample_anchors, target_features)
-from checkpoints_convert.dflash import export_zlab
+from bastion_jax.checkpoints.dflash import export_zlab
 
 BLOCK = 4
 
@@ -187,7 +187,7 @@ def test_bad_datasets():
 
 def test_cli_data_then_train(tmp_path):
     """The two commands end to end on a tiny HF target: responses, training, z-lab export."""
-    from bastion_jax.checkpoint import load_target
+    from bastion_jax.checkpoints import load_target
     from bastion_jax.testing import save_tiny_hf
     from bastion_jax.train_drafter import main
 

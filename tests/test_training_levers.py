@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bastion_jax.checkpoint import random_drafter
+from bastion_jax.checkpoints import random_drafter
 from bastion_jax.testing import tiny_drafter_config
 from bastion_jax.training import (FeatureStore, Objective, block_loss, init_from_target, loss_vocab, make_blocks,
                                   matmul, rank_vocab, restrict_vocab, sample_anchors, target_features)

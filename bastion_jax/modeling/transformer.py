@@ -1,7 +1,7 @@
 """Target decoder (Llama-3.x / Qwen3) as a Flax NNX module with HF-mirroring attribute names.
 
 `Transformer.embed_tokens`, `.layers[i].self_attn.q_proj.weight`, ... are exactly the HF names
-with the leading `model.` dropped, so `checkpoints_convert` maps checkpoints by rule.
+with the leading `model.` dropped, so `bastion_jax.checkpoints` maps checkpoints by rule.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from bastion_jax.checkpoint import LoadedDrafter, Target
+from bastion_jax.checkpoints import LoadedDrafter, Target
 from bastion_jax.training.data import TokenDataset, batch_indices
 from bastion_jax.training.features import FeatureStore, fingerprint, target_fingerprint
 from bastion_jax.training.forward import drafter_blocks, matmul, target_features

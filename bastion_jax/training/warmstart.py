@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bastion_jax.checkpoint import LoadedDrafter, Target
+from bastion_jax.checkpoints import LoadedDrafter, Target
 
 
 def init_from_target(drafter: LoadedDrafter, target: Target) -> LoadedDrafter:

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.source import Source
+from bastion_jax.checkpoints.errors import ConversionError
+from bastion_jax.checkpoints.source import Source
 
 # Buffers some checkpoints carry that our model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -50,7 +50,7 @@ def build_params(source: Source, abstract_state: nnx.State, dtype: jnp.dtype) ->
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     extra = [n for n in available if n not in expected and not n.endswith(_IGNORED_SUFFIXES)]
     if extra:
-        print(f"checkpoints_convert: ignoring {len(extra)} unused tensor(s), e.g. {extra[0]}",
+        print(f"checkpoint: ignoring {len(extra)} unused tensor(s), e.g. {extra[0]}",
               file=sys.stderr)
     nested: dict[str, Any] = {}
     for name, shape in expected.items():

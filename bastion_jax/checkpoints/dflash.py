@@ -15,8 +15,8 @@ import numpy as np
 from flax import nnx
 
 from bastion_jax.config import ConfigError, DrafterConfig, TargetConfig
-from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.params import build_params, path_to_name
+from bastion_jax.checkpoints.errors import ConversionError
+from bastion_jax.checkpoints.params import build_params, path_to_name
 
 
 def is_dflash_config(hf: dict[str, Any]) -> bool:
@@ -25,8 +25,8 @@ def is_dflash_config(hf: dict[str, Any]) -> bool:
 
 def load_zlab_params(path: Path, dtype: jnp.dtype, target: TargetConfig | None = None
                      ) -> tuple[DrafterConfig, dict[str, Any]]:
-    from bastion_jax.checkpoint import abstract_state
-    from checkpoints_convert.hf import open_hf
+    from bastion_jax.checkpoints import abstract_state
+    from bastion_jax.checkpoints.hf import open_hf
 
     source = open_hf(Path(path))
     try:

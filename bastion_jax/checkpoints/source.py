@@ -33,7 +33,7 @@ class Source:
         dtype the model computes in."""
         import jax.numpy as jnp
 
-        from checkpoints_convert.errors import ConversionError
+        from bastion_jax.checkpoints.errors import ConversionError
 
         if self.dtype not in NATIVE_DTYPES:
             raise ConversionError(f"{self.path} stores {self.dtype or 'an unknown dtype'}, which the model does not "
@@ -43,17 +43,17 @@ class Source:
 
 def open_source(path: str | Path) -> Source:
     """Open an HF safetensors directory or a GGUF file."""
-    from checkpoints_convert.errors import ConversionError
+    from bastion_jax.checkpoints.errors import ConversionError
 
     path = Path(path)
     if not path.exists():
         raise ConversionError(f"checkpoint not found: {path}")
     if path.is_file() and path.suffix == ".gguf":
-        from checkpoints_convert.gguf_file import open_gguf
+        from bastion_jax.checkpoints.gguf_file import open_gguf
 
         return open_gguf(path)
     if path.is_dir():
-        from checkpoints_convert.hf import open_hf
+        from bastion_jax.checkpoints.hf import open_hf
 
         return open_hf(path)
     raise ConversionError(f"not a checkpoint (expected an HF directory or a .gguf file): {path}")

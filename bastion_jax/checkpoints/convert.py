@@ -8,9 +8,9 @@ from typing import Any
 import jax.numpy as jnp
 
 from bastion_jax.config import ConfigError, TargetConfig
-from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.params import build_params
-from checkpoints_convert.source import Source, open_source
+from bastion_jax.checkpoints.errors import ConversionError
+from bastion_jax.checkpoints.params import build_params
+from bastion_jax.checkpoints.source import Source, open_source
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "bf16": jnp.bfloat16}
 
@@ -28,7 +28,7 @@ def parse_dtype(name: str | None) -> jnp.dtype | None:
 def load_params(source: Source, dtype: jnp.dtype | None) -> tuple[TargetConfig, dict[str, Any]]:
     """Config and nested param dict of a target checkpoint, validated against the model, in `dtype`
     (None: the checkpoint's own dtype, `Source.native_dtype`)."""
-    from bastion_jax.checkpoint import abstract_target_state
+    from bastion_jax.checkpoints import abstract_target_state
 
     try:
         cfg = TargetConfig.from_hf(source.hf_config)
@@ -41,8 +41,8 @@ def load_params(source: Source, dtype: jnp.dtype | None) -> tuple[TargetConfig, 
 def convert(src: str | Path, out: str | Path, dtype: str | None = "bfloat16") -> Path:
     """Convert `src` (HF target dir, z-lab DFlash drafter dir, or .gguf) into a bastion_jax checkpoint dir,
     stored in `dtype` (None: the source's own dtype; quantised GGUF tensors are dequantised to float32)."""
-    from bastion_jax.checkpoint import save_drafter, save_target
-    from checkpoints_convert.dflash import is_dflash_config, load_zlab_params
+    from bastion_jax.checkpoints import save_drafter, save_target
+    from bastion_jax.checkpoints.dflash import is_dflash_config, load_zlab_params
 
     out = Path(out)
     if out.exists() and not out.is_dir():

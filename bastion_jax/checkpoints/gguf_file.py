@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.source import Source
+from bastion_jax.checkpoints.errors import ConversionError
+from bastion_jax.checkpoints.source import Source
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -135,7 +135,7 @@ def load_target(path: str | Path, dtype: jnp.dtype | None = None) -> Target:
     file's float type, or float32 when its tensors are quantised (they are dequantised to float32).
     Nothing is upcast silently.
     """
-    from checkpoints_convert import ConversionError, load_params, open_source
+    from bastion_jax.checkpoints import ConversionError, load_params, open_source
 
     path = Path(path)
     if not path.exists():
@@ -162,8 +162,8 @@ def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None
     """Load a converted drafter or a z-lab DFlash checkpoint dir; checks it fits `target`. `dtype`
     as in `load_target` (None: the checkpoint's own); `generate` passes the target's dtype on purpose,
     since the drafter reads the target's features and shares its LM head."""
-    from checkpoints_convert import ConversionError
-    from checkpoints_convert.dflash import load_zlab_params
+    from bastion_jax.checkpoints import ConversionError
+    from bastion_jax.checkpoints.dflash import load_zlab_params
 
     path = Path(path)
     if not path.is_dir():
@@ -175,7 +175,7 @@ def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None
         if "bastion_jax" in hf:
             graphdef, state = _restore(path, hf, "drafter", cfg, dtype)
         else:
-            from checkpoints_convert.hf import open_hf
+            from bastion_jax.checkpoints.hf import open_hf
 
             dtype = dtype or open_hf(path).native_dtype()
             _, params = load_zlab_params(path, dtype, target)

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.source import Source
+from bastion_jax.checkpoints.errors import ConversionError
+from bastion_jax.checkpoints.source import Source
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
