@@ -1,4 +1,5 @@
-"""Plumbing shared by the command-line tools: progress on stderr, bad input as one `error:` line."""
+"""Plumbing shared by the command-line tools: progress on stderr, bad input as one `error:` line,
+the --dtype flag."""
 
 from __future__ import annotations
 
@@ -19,3 +20,14 @@ def fail(e: BaseException) -> int:
     """Report `e` as a single `error: ...` line (never a traceback); returns the exit status 2."""
     print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
     return 2
+
+
+def resolve_dtype(name: str):
+    """A --dtype value: "auto" is None (the loaders then keep the checkpoint's own dtype)."""
+    import jax.numpy as jnp
+
+    return None if name == "auto" else jnp.dtype(name)
+
+
+def dtype_note(flag: str) -> str:
+    return "the checkpoint's dtype" if flag == "auto" else "--dtype"

@@ -1,32 +1,37 @@
-"""The engine: owns a loaded target (and drafter), compiles its steps once per shape, runs loops.
+"""The engine: one request loop over a loaded target (and drafter), for every policy.
 
-Compiled executables are kept in a table keyed by the shapes that matter, so the engine knows
-exactly how many compilations it did (and tests can assert none happen after warm-up).
+`Engine.stream` validates a request, sizes the cache, gets the compiled steps for its shapes from
+`Executables` (compiled once per shape, counted), runs prefill and then one step after another,
+choosing for the tree policies each step's bucket (`Controller`, priced by `LatencyModel`) and
+whether to draft at all (`DraftGate`), and yields each row's new tokens after every step.
 
-Modes: "ar" (one token per step) and "dflash" (chain speculative decoding: draft a block,
-verify it in one target forward). Both share prompt handling, stop rules and statistics.
+Modes: "ar", "dflash" (chain: draft a block, verify it in one target forward), "fixed:N"
+(always an N-node tree), "bastion" and "bastion-paper" (budgeted trees). All share prompt
+handling, stop rules (`stats.Rows`) and statistics (`stats.Stats`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bastion_jax import compile_counter, decoding, speculative, tree_decoding
+from bastion_jax import compile_counter, tree_decoding
 from bastion_jax.checkpoints import LoadedDrafter, Target
 from bastion_jax.controller import DEFAULT_BUCKETS, Controller, Policy, PolicyError
 from bastion_jax.draft_gate import DraftGate
-from bastion_jax.tree_decoding import DRAFT, FLUSH, HOLD
+from bastion_jax.executables import Executables
 from bastion_jax.latency import AR, AR_DRAFT, DevicePeaks, LatencyModel, ModelDims
-from bastion_jax.modeling.cache import KVCache
 from bastion_jax.sampling import SamplingConfig
 from bastion_jax.speculative import DraftVocab
+from bastion_jax.stats import Result, Rows, Stats
+from bastion_jax.tree_decoding import DRAFT, HOLD
+
+__all__ = ["MODES", "Engine", "GenerationError", "Result", "Stats"]
 
 # CPU backends cannot donate buffers; the warning is noise there.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -44,94 +49,6 @@ def next_pow2(n: int) -> int:
 
 def prefill_bucket(n: int, cache_len: int, minimum: int = 16) -> int:
     return min(max(minimum, next_pow2(n)), cache_len)
-
-
-@dataclasses.dataclass
-class Stats:
-    mode: str = "ar"
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    steps: int = 0  # decoding steps after prefill
-    committed: int = 0  # tokens committed by those steps, summed over rows (accepted + 1 each)
-    row_steps: int = 0  # (row, step) pairs in which the row was active
-    compile_s: float = 0.0
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    compilations: int = 0  # by the engine during this request (warm-up)
-    compilations_after_warmup: int = 0  # any XLA compilation inside the decode loop (must stay 0)
-    buckets: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> times chosen
-    ended: dict[str, int] = dataclasses.field(default_factory=dict)  # why rows ended -> rows ("stop token", ...)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """New tokens per second of the engine's own wall time after compilation (prefill included;
-        the time the caller spends between yielded steps, e.g. detokenising and printing, excluded)."""
-        total = self.ttft_s + self.decode_s
-        return self.new_tokens / total if total > 0 else 0.0
-
-    @property
-    def tau(self) -> float:
-        """Mean acceptance length: tokens committed per row per step (accepted + 1); 1.0 for AR."""
-        return self.committed / self.row_steps if self.row_steps else 0.0
-
-    def summary(self) -> str:
-        hist = ""
-        if self.buckets:
-            hist = " | buckets " + " ".join(f"{b or 'ar'}:{n}" for b, n in sorted(self.buckets.items()))
-        return (f"new tokens {self.new_tokens} | {self.tokens_per_s:.1f} tok/s | tau {self.tau:.2f} | "
-                f"TTFT {self.ttft_s * 1e3:.0f} ms | steps {self.steps}{hist} | "
-                f"compile {self.compile_s:.1f}s ({self.compilations} at warm-up, "
-                f"{self.compilations_after_warmup} after) | ended: {self.ended_summary()}")
-
-    def ended_summary(self) -> str:
-        """Why generation ended: "stop token" / "max new tokens" for one row, counts for a batch."""
-        if sum(self.ended.values()) == 1:
-            return next(iter(self.ended))
-        return ", ".join(f"{n} {why}" for why, n in sorted(self.ended.items())) or "-"
-
-
-@dataclasses.dataclass
-class Result:
-    tokens: list[list[int]]  # new tokens per prompt (stop token included if one was produced)
-    stats: Stats
-
-
-STOP_TOKEN, MAX_NEW_TOKENS = "stop token", "max new tokens"  # the only two ways a row ends
-
-
-class _Rows:
-    """Host-side per-row bookkeeping: budget, stop ids, what each row has emitted and why it ended."""
-
-    def __init__(self, batch: int, budget: int, stop_ids: frozenset[int]):
-        self.done = np.zeros(batch, bool)
-        self.produced = np.zeros(batch, np.int64)
-        self.budget = budget
-        self.stop_ids = stop_ids
-        self.ended: list[str | None] = [None] * batch
-
-    def take(self, i: int, tokens: Sequence[int]) -> list[int]:
-        """Keep what row i may still emit: up to its budget, through its first stop id."""
-        if self.done[i]:
-            return []
-        out = []
-        for t in tokens:
-            out.append(int(t))
-            self.produced[i] += 1
-            if int(t) in self.stop_ids or self.produced[i] >= self.budget:
-                self.done[i] = True
-                self.ended[i] = STOP_TOKEN if int(t) in self.stop_ids else MAX_NEW_TOKENS
-                break
-        return out
-
-
-class _Bound:
-    """A compiled tree-policy executable with the engine's draft vocabulary bound as its last argument."""
-
-    def __init__(self, exe, draft_vocab):
-        self.exe, self.draft_vocab = exe, draft_vocab
-
-    def __call__(self, *args):
-        return self.exe(*args, self.draft_vocab)
 
 
 class Engine:
@@ -161,13 +78,14 @@ class Engine:
 
             stop_ids = _stop_ids(tokenizer, target.config.eos_token_ids)
         self.stop_ids = frozenset(int(s) for s in stop_ids)
-        self._compiled: dict[tuple, Any] = {}
-        self.compilations = 0
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.top_k = top_k
         if draft_vocab is not None and (drafter is None or proposal is not None):
             raise GenerationError("a draft vocabulary restricts a drafter's LM head: it needs a drafter and no proposal")
         self.draft_vocab = draft_vocab
+        self.executables = Executables(target, drafter, proposal=proposal, block_size=block_size,
+                                       mask_token_id=mask_token_id, buckets=self.buckets, top_k=top_k,
+                                       draft_vocab=draft_vocab)
         self._gate_memory: dict = {}  # the draft gate's acceptance estimates, kept across requests
         self.latency = latency or self.default_latency_model()
         self._batch_latency: dict[int, LatencyModel] = {}  # models for other batch sizes than self.latency's
@@ -181,6 +99,11 @@ class Engine:
         if batch not in self._batch_latency or self._batch_latency[batch].peaks != self.latency.peaks:
             self._batch_latency[batch] = self.latency.for_batch(batch)
         return self._batch_latency[batch]
+
+    @property
+    def compilations(self) -> int:
+        """Steps this engine compiled so far (each shape once; a warm request adds none)."""
+        return self.executables.compilations
 
     def default_latency_model(self) -> LatencyModel:
         bpv = jnp.dtype(self.target.dtype).itemsize
@@ -201,127 +124,6 @@ class Engine:
             return 0
         return (self.block_size or 0) if kind == "dflash" else self.tree_slack()
 
-    # -- compilation -------------------------------------------------------------------------
-    def _executable(self, fn, key: tuple, args: tuple, static: dict):
-        """The compiled `fn` for `key`, compiling (and counting) it the first time."""
-        exe = self._compiled.get(key)
-        if exe is None:
-            exe = fn.lower(*args, **static).compile()
-            self._compiled[key] = exe
-            self.compilations += 1
-        return exe
-
-    def _spec_static(self, sampling: SamplingConfig) -> dict:
-        d = self.drafter
-        return dict(target_def=self.target.graphdef, drafter_def=d.graphdef if d else None,
-                    sampling=sampling, block_size=self.block_size, mask_token_id=self.mask_token_id,
-                    tap_layers=tuple(d.config.target_layer_ids) if d else (), proposal=self.proposal)
-
-    def _step_fns(self, mode: str, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig):
-        """(prefill, step) executables for these shapes; both compiled now if not yet."""
-        i32 = jnp.int32
-        lengths = jax.ShapeDtypeStruct((batch,), i32)
-        rng = jax.random.PRNGKey(0)
-        tokens = jax.ShapeDtypeStruct((batch, bucket), i32)
-        tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
-        prefill_key = (mode, sampling, batch, bucket, cache_len)
-        step_key = (mode, sampling, batch, cache_len)  # a step does not depend on the prompt bucket
-        if mode == "ar":
-            static = dict(graphdef=self.target.graphdef, sampling=sampling)
-            prefill = self._executable(decoding.prefill, ("prefill",) + prefill_key,
-                                       (self.target.state, tcache, tokens, lengths, rng), static)
-            step = self._executable(decoding.decode, ("decode",) + step_key,
-                                    (self.target.state, tcache, jax.ShapeDtypeStruct((batch,), i32), lengths, rng,
-                                     jax.ShapeDtypeStruct((batch,), bool)),
-                                    static)
-            return prefill, step
-        static = self._spec_static(sampling)
-        dstate = self.drafter.state if self.drafter else None
-        dcache = jax.eval_shape(lambda: self.new_drafter_cache(batch, cache_len))
-        args = (self.target.state, dstate, tcache, dcache, tokens, lengths, rng)
-        prefill = self._executable(speculative.spec_prefill, ("spec_prefill",) + prefill_key, args, static)
-        state = jax.eval_shape(lambda *a: speculative.spec_prefill(*a, **static), *args)
-        step = self._executable(speculative.spec_step, ("spec_step",) + step_key,
-                                (self.target.state, dstate, state, jax.ShapeDtypeStruct((batch,), bool), rng),
-                                static)
-        return prefill, step
-
-    def _tree_fns(self, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig,
-                  step_buckets: Sequence[int]):
-        """(prefill, {bucket: step}) of the tree policies, compiled now if not yet. The callables bind
-        the engine's draft vocabulary; a step takes an optional `then` (default: draft)."""
-        i32 = jnp.int32
-        static, args = self._tree_prefill_args(batch, bucket, cache_len, sampling)
-        key = self._tree_key(sampling, batch, cache_len)
-        prefill = self._executable(tree_decoding.tree_prefill, key + ("prefill", bucket), args, static)
-        state = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(*a, **static)[0], *args)
-        step_args = (self.target.state, args[1], state, jax.ShapeDtypeStruct((batch,), bool), args[6],
-                     self.draft_vocab)
-        steps = {b: _Bound(self._executable(tree_decoding.tree_step, key + ("step", b), step_args,
-                                            dict(static, bucket=b)), self.draft_vocab)
-                 for b in step_buckets}
-        return _Bound(prefill, self.draft_vocab), steps
-
-    def _root_fns(self, batch: int, cache_len: int, sampling: SamplingConfig):
-        """{then: root step}: the AR step of the tree policies (hold, draft or flush after it); compiled
-        now if not yet."""
-        static, args = self._tree_prefill_args(batch, 16, cache_len, sampling)
-        state = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(*a, **static)[0], *args)
-        step_args = (self.target.state, args[1], state, jax.ShapeDtypeStruct((batch,), bool), args[6],
-                     self.draft_vocab)
-        key = self._tree_key(sampling, batch, cache_len)
-        return {then: _Bound(self._executable(tree_decoding.root_step, key + ("root", then), step_args,
-                                              dict(static, then=then)), self.draft_vocab)
-                for then in (HOLD, DRAFT, FLUSH)}
-
-    def _tree_key(self, sampling: SamplingConfig, batch: int, cache_len: int) -> tuple:
-        n_draft = None if self.draft_vocab is None else int(self.draft_vocab.ids.shape[0])
-        return ("tree", sampling, batch, cache_len, self.buckets, self.top_k, n_draft)
-
-    def _tree_prefill_args(self, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig):
-        i32 = jnp.int32
-        static = dict(self._spec_static(sampling), buckets=self.buckets, top_k=self.top_k)
-        dstate = self.drafter.state if self.drafter else None
-        tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
-        dcache = jax.eval_shape(lambda: self.new_drafter_cache(batch, cache_len))
-        args = (self.target.state, dstate, tcache, dcache, jax.ShapeDtypeStruct((batch, bucket), i32),
-                jax.ShapeDtypeStruct((batch,), i32), jax.random.PRNGKey(0), self.draft_vocab)
-        return static, args
-
-    def _tree_part_fns(self, batch: int, cache_len: int, step_buckets: Sequence[int]):
-        """({bucket: tree_verify}, tree_draft) executables: the two halves of a tree step, compiled
-        (and counted) like the steps so the profiler can time them apart."""
-        i32 = jnp.int32
-        lengths = jax.ShapeDtypeStruct((batch,), i32)
-        static = dict(self._spec_static(SamplingConfig()), buckets=self.buckets, top_k=self.top_k)
-        dstate = self.drafter.state if self.drafter else None
-        tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
-        dcache = jax.eval_shape(lambda: self.new_drafter_cache(batch, cache_len))
-        args = (self.target.state, dstate, tcache, dcache, jax.ShapeDtypeStruct((batch, 16), i32), lengths,
-                jax.random.PRNGKey(0))
-        tree = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(*a, **static)[0], *args).tree
-        key = ("tree_parts", batch, cache_len, self.buckets, self.top_k)
-        verify = {b: self._executable(tree_decoding.tree_verify, key + ("verify", b),
-                                      (self.target.state, tcache, tree, lengths),
-                                      dict(bucket=b, target_def=self.target.graphdef, tap_layers=static["tap_layers"]))
-                  for b in step_buckets}
-        features = jax.ShapeDtypeStruct(self.feature_shape(batch), self.feature_dtype)
-        draft_static = {k: static[k] for k in ("target_def", "drafter_def", "block_size", "mask_token_id",
-                                               "proposal", "buckets", "top_k")}
-        draft = self._executable(tree_decoding.tree_draft, key + ("draft",),
-                                 (self.target.state, dstate, dcache, features, lengths, lengths, lengths), draft_static)
-        return verify, draft
-
-    def feature_shape(self, batch: int) -> tuple[int, int, int]:
-        """[batch, block_size, F]: the features a step injects into the drafter (F = taps x hidden)."""
-        d = self.drafter
-        width = len(d.config.target_layer_ids) * self.target.config.hidden_size if d else 1
-        return (batch, self.block_size, width)
-
-    @property
-    def feature_dtype(self) -> jnp.dtype:
-        return self.target.dtype if self.drafter else jnp.dtype(jnp.float32)
-
     def calibrate(self, cache_len: int, sampling: SamplingConfig = SamplingConfig(),
                   contexts: Sequence[int] | None = None, reps: int = 1,
                   batch: int = 1) -> list[tuple[int | str, int, float]]:
@@ -333,15 +135,16 @@ class Engine:
         slack = self.tree_slack()
         top = cache_len - slack - 1
         contexts = sorted({max(1, c) for c in (contexts or (16, top)) if c <= top})
-        prefill, steps = self._tree_fns(batch, 16, cache_len, sampling, self.buckets)
+        exe = self.executables
+        prefill, steps = exe.tree(batch, 16, cache_len, sampling, self.buckets)
         variants: dict = dict(steps)
         if self.drafter is not None:
-            roots = self._root_fns(batch, cache_len, sampling)
+            roots = exe.roots(batch, cache_len, sampling)
             variants[AR], variants[AR_DRAFT] = roots[HOLD], roots[DRAFT]
         dstate = self.drafter.state if self.drafter else None
         key = jax.random.PRNGKey(0)
-        state, _ = prefill(self.target.state, dstate, self.new_cache(batch, cache_len),
-                           self.new_drafter_cache(batch, cache_len), jnp.zeros((batch, 16), jnp.int32),
+        state, _ = prefill(self.target.state, dstate, exe.new_cache(batch, cache_len),
+                           exe.new_drafter_cache(batch, cache_len), jnp.zeros((batch, 16), jnp.int32),
                            jnp.ones((batch,), jnp.int32), key)
         inactive = jnp.zeros((batch,), bool)
         samples = []
@@ -362,15 +165,6 @@ class Engine:
         (verify), and the drafter's feature buffer (a draft injects all of it at once)."""
         block = self.block_size or 0
         return max(max(self.buckets), block, tree_decoding.pending_slots(block) if block else 0)
-
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache.create(self.target.config, batch, max_len, self.target.dtype)
-
-    def new_drafter_cache(self, batch: int, max_len: int) -> KVCache:
-        if self.drafter is None:
-            return KVCache(k=(), v=())
-        dtype = self.drafter.state["norm"]["weight"][...].dtype
-        return KVCache.create(self.drafter.config, batch, max_len, dtype)
 
     def cache_len_for(self, prompt_lens: Sequence[int], max_new_tokens: int, max_len: int | None,
                       slack: int = 0) -> int:
@@ -436,21 +230,22 @@ class Engine:
         slack = self.slack(policy)
         cache_len = self.cache_len_for(lens.tolist(), max_new_tokens, max_len, slack)
         bucket = prefill_bucket(int(lens.max()), cache_len)
-        before = self.compilations
+        exe = self.executables
+        before = exe.compilations
         t0 = time.perf_counter()
         if policy.uses_tree:
             step_buckets = {"fixed": [policy.size], "bastion-paper": list(getattr(controller, "paper_buckets", ()))
                             }.get(policy.kind, list(self.buckets))
-            prefill, steps = self._tree_fns(batch, bucket, cache_len, sampling, step_buckets)
+            prefill, steps = exe.tree(batch, bucket, cache_len, sampling, step_buckets)
             gate = None
             if policy.kind == "bastion":
-                roots = self._root_fns(batch, cache_len, sampling)
+                roots = exe.roots(batch, cache_len, sampling)
                 gate = DraftGate(self.buckets, latency.step_time, tree_decoding.pending_slots(self.block_size),
                                  self.block_size)
                 # What the gate learnt of this drafter's acceptance carries over to the next request.
                 gate.rho, gate.a_bar = self._gate_memory.get("rho", gate.rho), self._gate_memory.get("a_bar")
         else:
-            prefill, step = self._step_fns(policy.kind, batch, bucket, cache_len, sampling)
+            prefill, step = (exe.ar if policy.kind == "ar" else exe.chain)(batch, bucket, cache_len, sampling)
         stats.compile_s += time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -459,20 +254,20 @@ class Engine:
             padded[i, : len(p)] = p
         rng = jax.random.PRNGKey(seed)
         rng, sub = jax.random.split(rng)
-        tcache = self.new_cache(batch, cache_len)
+        tcache = exe.new_cache(batch, cache_len)
         dstate = self.drafter.state if self.drafter else None
         # Every step writes at most `slack` slots past the committed length and cache_len_for made
         # room for all of them after max_new_tokens, so every row may produce its full budget.
-        rows = _Rows(batch, max_new_tokens, self.stop_ids)
+        rows = Rows(batch, max_new_tokens, self.stop_ids)
         prompt_args = (jnp.asarray(padded), jnp.asarray(lens), sub)
         if policy.kind == "ar":
             nxt, tcache = prefill(self.target.state, tcache, *prompt_args)
             first = np.asarray(nxt)
         elif policy.kind == "dflash":
-            state = prefill(self.target.state, dstate, tcache, self.new_drafter_cache(batch, cache_len), *prompt_args)
+            state = prefill(self.target.state, dstate, tcache, exe.new_drafter_cache(batch, cache_len), *prompt_args)
             first = np.asarray(state.root)
         else:
-            state, curve = prefill(self.target.state, dstate, tcache, self.new_drafter_cache(batch, cache_len),
+            state, curve = prefill(self.target.state, dstate, tcache, exe.new_drafter_cache(batch, cache_len),
                                    *prompt_args)
             first = np.asarray(state.tree.tokens[:, 0])
         stats.ttft_s += time.perf_counter() - t0

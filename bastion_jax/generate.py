@@ -7,7 +7,8 @@ import json
 import sys
 import time
 
-from bastion_jax.cli import fail, stderr_log
+from bastion_jax.calibration import calibration_model, load_or_calibrate
+from bastion_jax.cli import dtype_note, fail, resolve_dtype, stderr_log
 
 DEFAULT_PROMPT_HELP = "With no --target, the embedded SmolLM2-135M-Instruct is used."
 DEFAULT_BLOCK_SIZE = 16  # of a --drafter random
@@ -66,59 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_dtype(name: str):
-    """A --dtype value: "auto" is None (the loaders then keep the checkpoint's own dtype)."""
-    import jax.numpy as jnp
-
-    return None if name == "auto" else jnp.dtype(name)
-
-
-def dtype_note(flag: str) -> str:
-    return "the checkpoint's dtype" if flag == "auto" else "--dtype"
-
-
-# -- latency calibration ---------------------------------------------------------------------------
-
-def calibration_model(target, drafter, draft_vocab=None) -> str:
-    """The models part of the calibration key: the target's and the drafter's files as they resolve on
-    disk (`model_identity`), so `generate` and `profile --install` agree however a path is spelled,
-    and the draft vocabulary's size (it sets the price of a draft)."""
-    from bastion_jax.latency import model_identity
-
-    t = model_identity(target.path) if target.path is not None else "in-memory target"
-    if drafter is None:
-        return f"{t}|none"
-    d = model_identity(drafter.path) if drafter.path is not None else "random"
-    return f"{t}|{d}" + (f"|draft-vocab {int(draft_vocab.ids.shape[0])}" if draft_vocab is not None else "")
-
-
-def calibration_path(engine, model: str):
-    from bastion_jax.default_model import cache_root
-
-    key = engine.latency.key(model, engine.target.dtype.name, engine.top_k)
-    return cache_root() / "calibration" / f"{key}.json"
-
-
-def load_or_calibrate(engine, model: str, cache_len: int, sampling, skip: bool, log) -> str:
-    """Reuse the calibration saved for exactly this setting, else profile now (unless `skip`).
-    Only a run that profiled writes the file, right after the fit: online (EMA) corrections made
-    while generating never reach it. Returns "reused", "profiled" or "skipped"."""
-    path = calibration_path(engine, model)
-    dtype = engine.target.dtype.name
-    if engine.latency.load(path, model, dtype, engine.top_k):
-        log(f"latency calibration: reused {path}")
-        return "reused"
-    if skip:
-        log("latency calibration: skipped (roofline + online correction; nothing saved)")
-        return "skipped"
-    t0 = time.perf_counter()
-    samples = engine.calibrate(cache_len, sampling)
-    engine.latency.save(path, model, dtype, engine.top_k)
-    log(f"latency calibration: profiled {len(samples)} step timings over buckets "
-        f"{','.join(map(str, engine.buckets))} in {time.perf_counter() - t0:.1f}s (saved to {path})")
-    return "profiled"
-
-
 # -- the run ---------------------------------------------------------------------------------------
 
 def load_models(args, log):
@@ -142,7 +90,7 @@ def load_models(args, log):
     if drafter_arg in (None, "none"):
         return path, target, None
     if drafter_arg == "random":
-        from bastion_jax.testing import tiny_drafter_config
+        from bastion_jax.presets import tiny_drafter_config
 
         block = args.block_size or DEFAULT_BLOCK_SIZE
         drafter = random_drafter(tiny_drafter_config(target.config, block_size=block), target.dtype)

@@ -111,3 +111,11 @@ def random_models(target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None, d
         dgraph, dstate = init_on_device(drafter_cfg, dtype, seed + 1)
         drafter = LoadedDrafter(drafter_cfg, dgraph, dstate)
     return target, drafter
+
+
+def tiny_drafter_config(target, num_layers: int = 1, block_size: int = 8, intermediate_size: int | None = None,
+                        num_taps: int = 2):
+    """A small DFlash drafter config that fits `target` (a TargetConfig): same hidden size and vocab.
+    What `--drafter random` builds, and what the tests draft with."""
+    return DrafterConfig.for_target(target, num_layers=num_layers, block_size=block_size, num_taps=num_taps,
+                                    intermediate_size=intermediate_size or 2 * target.hidden_size)

@@ -143,21 +143,23 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
                file=sys.stderr, dynamic_ncols=True)
     bar.set_postfix_str("compiling")
     t0 = time.perf_counter()
-    prefill, steps = engine._tree_fns(1, 16, cache_len, sampling, buckets)
-    roots = engine._root_fns(1, cache_len, sampling) if engine.drafter is not None else {}
-    verify, draft = engine._tree_part_fns(1, cache_len, buckets)
-    _, ar_step = engine._step_fns("ar", 1, 16, cache_len, sampling)
+    exe = engine.executables
+    prefill, steps = exe.tree(1, 16, cache_len, sampling, buckets)
+    roots = exe.roots(1, cache_len, sampling) if engine.drafter is not None else {}
+    verify, draft = exe.tree_parts(1, cache_len, buckets)
+    _, ar_step = exe.ar(1, 16, cache_len, sampling)
     compile_s = time.perf_counter() - t0
     bar.update()
 
     tstate = engine.target.state
     dstate = engine.drafter.state if engine.drafter else None
     key = jax.random.PRNGKey(0)
-    state, curve = prefill(tstate, dstate, engine.new_cache(1, cache_len), engine.new_drafter_cache(1, cache_len),
+    state, curve = prefill(tstate, dstate, exe.new_cache(1, cache_len), exe.new_drafter_cache(1, cache_len),
                            jnp.zeros((1, 16), jnp.int32), jnp.ones((1,), jnp.int32), key)
-    ar_cache = engine.new_cache(1, cache_len)
-    features = jnp.zeros(engine.feature_shape(1), engine.feature_dtype)  # [1, block, taps * hidden]
+    ar_cache = exe.new_cache(1, cache_len)
+    features = jnp.zeros(exe.feature_shape(1), exe.feature_dtype)  # [1, block, taps * hidden]
     zero_tok = jax.device_put(np.zeros(1, np.int32))
+    active = jax.device_put(np.ones(1, bool))  # the AR step writes its K/V, as when decoding
     inactive = jax.device_put(np.zeros(1, bool))  # rows stay put: every rep runs at the same context
     loop_latency = copy.deepcopy(engine.latency)  # the host loop's online updates must not touch the fit
     controller = Controller(Policy("bastion"), buckets, loop_latency)
@@ -178,7 +180,7 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
                "curve": curve}
 
         def ar():
-            nxt, box["ar"] = ar_step(tstate, box["ar"], zero_tok, length, key)
+            nxt, box["ar"] = ar_step(tstate, box["ar"], zero_tok, length, key, active)
             jax.block_until_ready(nxt)
 
         def drafting():
@@ -392,7 +394,7 @@ class Setup:
     """Everything `main` resolved from the flags, before timing."""
 
     engine: object
-    model_name: str  # the calibration key's models part (`generate.calibration_model` for --target)
+    model_name: str  # the calibration key's models part (`calibration.calibration_model` for --target)
     label: str  # arch or target name, for titles and file names
     contexts: tuple[int, ...]
     cache_len: int
@@ -403,7 +405,8 @@ def setup(args, log=lambda msg: None) -> Setup:
     roofline peaks the flags ask for."""
     import jax.numpy as jnp
 
-    from bastion_jax.generate import calibration_model, resolve_dtype
+    from bastion_jax.calibration import calibration_model
+    from bastion_jax.cli import resolve_dtype
     from bastion_jax.speculative import resolve_draft_vocab
     from bastion_jax.latency import DevicePeaks
 
@@ -443,7 +446,7 @@ def setup(args, log=lambda msg: None) -> Setup:
         draft_vocab = None
     else:
         from bastion_jax.checkpoints import load_drafter, load_target, random_drafter
-        from bastion_jax.testing import tiny_drafter_config
+        from bastion_jax.presets import tiny_drafter_config
 
         target = load_target(args.target, dtype)
         drafter_arg = args.drafter or "random"
@@ -520,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         name = args.name or f"{s.label}-{engine.latency.peaks.name}-{dtype}"
         calibration = engine.latency.to_json(s.model_name, dtype, engine.top_k)
         paths = write_outputs(Path(args.out_dir), name, meta, prof, calibration, not args.no_plot)
-        from bastion_jax.generate import calibration_path
+        from bastion_jax.calibration import calibration_path
 
         installed = calibration_path(engine, s.model_name)
         if args.install:

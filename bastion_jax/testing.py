@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bastion_jax.presets import tiny_drafter_config  # noqa: F401  (tests build drafters with it)
+
 TINY_VOCAB = 96
 
 
@@ -71,15 +73,6 @@ def save_tiny_hf(arch: str, directory: str | Path, seed: int = 0, **overrides: A
     model.save_pretrained(directory)
     tiny_tokenizer(model.config.vocab_size).save_pretrained(directory)
     return model
-
-
-def tiny_drafter_config(target, num_layers: int = 1, block_size: int = 8, intermediate_size: int | None = None,
-                        num_taps: int = 2):
-    """A small DFlash drafter config that fits `target` (a TargetConfig): same hidden size and vocab."""
-    from bastion_jax.config import DrafterConfig
-
-    return DrafterConfig.for_target(target, num_layers=num_layers, block_size=block_size, num_taps=num_taps,
-                                    intermediate_size=intermediate_size or 2 * target.hidden_size)
 
 
 def greedy_continuation(target, prompt, n: int):

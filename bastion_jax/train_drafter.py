@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     from bastion_jax.checkpoints import CheckpointError, load_target
     from bastion_jax.config import ConfigError
     from bastion_jax.default_model import DefaultModelError, default_target_dir
-    from bastion_jax.generate import dtype_note, resolve_dtype
+    from bastion_jax.cli import dtype_note, resolve_dtype
     from bastion_jax.training.data import DataError
 
     try:

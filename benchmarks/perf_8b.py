@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
 
-    from bastion_jax.checkpoint import CheckpointError
+    from bastion_jax.checkpoints import CheckpointError
     from bastion_jax.config import ConfigError
     from bastion_jax.engine import GenerationError
     from bastion_jax.profile import ProfileError, device_meta, plot, run_profile, setup

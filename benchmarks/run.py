@@ -53,12 +53,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from bastion_jax.checkpoint import load_drafter, load_target, random_drafter
+    from bastion_jax.checkpoints import load_drafter, load_target, random_drafter
     from bastion_jax.controller import parse_buckets
     from bastion_jax.default_model import default_target_dir
     from bastion_jax.engine import Engine
-    from bastion_jax.generate import resolve_dtype
-    from bastion_jax.testing import tiny_drafter_config
+    from bastion_jax.cli import resolve_dtype
+    from bastion_jax.presets import tiny_drafter_config
     from bastion_jax.text import encode_prompt, load_tokenizer
 
     if args.drafter is None:

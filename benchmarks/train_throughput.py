@@ -55,7 +55,7 @@ LADDER = [
 def _common(data_path: str):
     import jax.numpy as jnp
 
-    from bastion_jax.checkpoint import load_target, random_drafter
+    from bastion_jax.checkpoints import load_target, random_drafter
     from bastion_jax.config import DrafterConfig
     from bastion_jax.default_model import default_target_dir
     from bastion_jax.training import TokenDataset

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from bastion_jax import generate
+from bastion_jax import calibration, generate
 from bastion_jax.testing import save_tiny_hf
 from bastion_jax.checkpoints import convert
 
@@ -89,7 +89,7 @@ def test_calibration_key_follows_the_setting_not_the_spelling(tiny_ckpt, tmp_pat
         target = load_target(target_path, dtype)
         drafter = random_drafter(tiny_drafter_config(target.config, block_size=4), target.dtype)
         engine = Engine(target, stop_ids=[-1], drafter=drafter, buckets=buckets, top_k=top_k)
-        return generate.calibration_path(engine, generate.calibration_model(target, drafter))
+        return calibration.calibration_path(engine, calibration.calibration_model(target, drafter))
 
     copy = Path(shutil.copytree(tiny_ckpt, tmp_path / "ckpt"))
     (tmp_path / "link").symlink_to(copy)

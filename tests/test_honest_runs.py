@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from bastion_jax.checkpoints import load_drafter, load_target, random_drafter
-from bastion_jax.engine import MAX_NEW_TOKENS, Engine, GenerationError
+from bastion_jax.engine import Engine, GenerationError
+from bastion_jax.stats import MAX_NEW_TOKENS
 from bastion_jax.testing import tiny_drafter_config
 
 BLOCK = 4

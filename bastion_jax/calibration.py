@@ -1,0 +1,51 @@
+"""Where a latency calibration lives and when it is made: reused when one was saved for exactly
+this setting, else profiled (and saved) now.
+
+The key names the models as they resolve on disk, the device, dtype, buckets and tree width, so
+`generate` and `profile --install` agree however a path is spelled, and a run never reuses a fit
+made for something else.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def calibration_model(target, drafter, draft_vocab=None) -> str:
+    """The models part of the calibration key: the target's and the drafter's files as they resolve on
+    disk (`model_identity`), so `generate` and `profile --install` agree however a path is spelled,
+    and the draft vocabulary's size (it sets the price of a draft)."""
+    from bastion_jax.latency import model_identity
+
+    t = model_identity(target.path) if target.path is not None else "in-memory target"
+    if drafter is None:
+        return f"{t}|none"
+    d = model_identity(drafter.path) if drafter.path is not None else "random"
+    return f"{t}|{d}" + (f"|draft-vocab {int(draft_vocab.ids.shape[0])}" if draft_vocab is not None else "")
+
+
+def calibration_path(engine, model: str):
+    from bastion_jax.default_model import cache_root
+
+    key = engine.latency.key(model, engine.target.dtype.name, engine.top_k)
+    return cache_root() / "calibration" / f"{key}.json"
+
+
+def load_or_calibrate(engine, model: str, cache_len: int, sampling, skip: bool, log) -> str:
+    """Reuse the calibration saved for exactly this setting, else profile now (unless `skip`).
+    Only a run that profiled writes the file, right after the fit: online (EMA) corrections made
+    while generating never reach it. Returns "reused", "profiled" or "skipped"."""
+    path = calibration_path(engine, model)
+    dtype = engine.target.dtype.name
+    if engine.latency.load(path, model, dtype, engine.top_k):
+        log(f"latency calibration: reused {path}")
+        return "reused"
+    if skip:
+        log("latency calibration: skipped (roofline + online correction; nothing saved)")
+        return "skipped"
+    t0 = time.perf_counter()
+    samples = engine.calibrate(cache_len, sampling)
+    engine.latency.save(path, model, dtype, engine.top_k)
+    log(f"latency calibration: profiled {len(samples)} step timings over buckets "
+        f"{','.join(map(str, engine.buckets))} in {time.perf_counter() - t0:.1f}s (saved to {path})")
+    return "profiled"
