@@ -17,7 +17,7 @@ Ratios (targets from the issue):
   compilations after warm-up  during all timing, plus inside a real `engine.generate` bastion loop  == 0
 
 Writes benchmarks/results/<name>.json (ratios, criteria, every cell, device, date) and <name>.md
-(+ <name>.png, the profiler's plot). Timings come from `bastion_jax.profile.run_profile`, so this
+(+ <name>.png, the profiler's plot). Timings come from `bastion_jax.profiler.run_profile`, so this
 script and the profiler measure the same things.
 """
 
@@ -180,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     from bastion_jax.checkpoints import CheckpointError
     from bastion_jax.config import ConfigError
     from bastion_jax.engine import GenerationError
-    from bastion_jax.profile import ProfileError, device_meta, plot, run_profile, setup
+    from bastion_jax.profile import ProfileError, setup
+    from bastion_jax.profile_report import device_meta, plot
+    from bastion_jax.profiler import run_profile
 
     # The profiler's flags, so `setup` validates and builds exactly as `python -m bastion_jax.profile`.
     args.peaks = "measure"
