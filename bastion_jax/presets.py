@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bastion_jax.config import DrafterConfig, RopeConfig, TargetConfig
+from bastion_jax.config import RopeConfig, TargetConfig
+from bastion_jax.dflash_config import DrafterConfig
 
 
 class PresetError(ValueError):

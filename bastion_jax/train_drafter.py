@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def drafter_config(target_cfg, args):
-    from bastion_jax.config import DrafterConfig
+    from bastion_jax.dflash_config import DrafterConfig
 
     return DrafterConfig.for_target(target_cfg, num_layers=args.layers, block_size=args.block_size,
                                     num_taps=args.num_taps or max(args.layers, 3),

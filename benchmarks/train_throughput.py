@@ -55,8 +55,12 @@ LADDER = [
 def _common(data_path: str):
     import jax.numpy as jnp
 
-    from bastion_jax.checkpoints import load_target, random_drafter
-    from bastion_jax.config import DrafterConfig
+    try:  # today's module layout
+        from bastion_jax.checkpoints import load_target, random_drafter
+        from bastion_jax.dflash_config import DrafterConfig
+    except ImportError:  # the baseline tree's
+        from bastion_jax.checkpoint import load_target, random_drafter
+        from bastion_jax.config import DrafterConfig
     from bastion_jax.default_model import default_target_dir
     from bastion_jax.training import TokenDataset
 

@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from bastion_jax.config import ConfigError, DrafterConfig, RopeConfig, TargetConfig, default_target_layer_ids
+from bastion_jax.config import ConfigError, RopeConfig, TargetConfig
+from bastion_jax.dflash_config import DrafterConfig, default_target_layer_ids
 
 LLAMA = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=32,
              num_attention_heads=4, num_key_value_heads=2)
@@ -74,7 +75,7 @@ def test_drafter_activation_and_bias_are_read_and_round_trip(act):
 
 
 def test_drafter_activations_cover_exactly_the_implemented_ones():
-    from bastion_jax.config import DRAFTER_ACTIVATIONS
+    from bastion_jax.dflash_config import DRAFTER_ACTIVATIONS
     from bastion_jax.modeling.layers import ACTIVATIONS
 
     assert set(ACTIVATIONS) == set(DRAFTER_ACTIVATIONS)

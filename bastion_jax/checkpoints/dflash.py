@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bastion_jax.config import ConfigError, DrafterConfig, TargetConfig
+from bastion_jax.config import ConfigError, TargetConfig
+from bastion_jax.dflash_config import DrafterConfig
 from bastion_jax.checkpoints.errors import ConversionError
 from bastion_jax.checkpoints.params import build_params, path_to_name
 

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bastion_jax.config import ConfigError, DrafterConfig, TargetConfig, read_config_json
+from bastion_jax.config import ConfigError, TargetConfig, read_config_json
+from bastion_jax.dflash_config import DrafterConfig
 from bastion_jax.modeling.drafter import Drafter
 from bastion_jax.modeling.transformer import Transformer
 

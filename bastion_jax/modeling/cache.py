@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from bastion_jax.config import DrafterConfig, TargetConfig
+from bastion_jax.config import TargetConfig
+from bastion_jax.dflash_config import DrafterConfig
 
 
 @struct.dataclass

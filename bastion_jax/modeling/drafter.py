@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bastion_jax.config import DrafterConfig
+from bastion_jax.dflash_config import DrafterConfig
 from bastion_jax.modeling.cache import KVCache, write_rows
 from bastion_jax.modeling.layers import MLP, Linear, RMSNorm, apply_rope, attend, rope_cos_sin, rope_inv_freq
 

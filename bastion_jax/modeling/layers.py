@@ -65,7 +65,7 @@ class RMSNorm(nnx.Module):
 
 
 # HF `ACT2FN` names -> the same function: "gelu" is the exact erf form, "gelu_new" and
-# "gelu_pytorch_tanh" the tanh approximation, "swish" is silu. Keys == config.DRAFTER_ACTIVATIONS.
+# "gelu_pytorch_tanh" the tanh approximation, "swish" is silu. Keys == dflash_config.DRAFTER_ACTIVATIONS.
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu, "swish": jax.nn.silu,
     "gelu": partial(jax.nn.gelu, approximate=False),
