@@ -1,4 +1,4 @@
-"""Pure, jitted autoregressive steps over (graphdef, state, cache); the engine drives them.
+"""Pure, jitted autoregressive steps over (cfg, state, cache); the engine drives them.
 
 Lengths are arrays, never Python ints, so one compiled decode step serves every position.
 """
@@ -13,6 +13,7 @@ from flax import nnx
 
 from bastion_jax.modeling.cache import KVCache, causal_mask
 from bastion_jax.sampling import SamplingConfig, sample
+from bastion_jax.step_config import StepConfig
 
 
 def prefill_target(target, cache: KVCache, tokens: jax.Array, lengths: jax.Array, key: jax.Array,
@@ -32,20 +33,20 @@ def prefill_target(target, cache: KVCache, tokens: jax.Array, lengths: jax.Array
     return sample(out.logits[:, 0], key, sampling), out.cache, features
 
 
-@partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
-def prefill(state: nnx.State, cache: KVCache, tokens: jax.Array, lengths: jax.Array, key: jax.Array,
-            *, graphdef: nnx.GraphDef, sampling: SamplingConfig):
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def prefill(cfg: StepConfig, state: nnx.State, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
+            key: jax.Array):
     """AR prefill: tokens [batch, bucket] right-padded, lengths [batch] -> (first tokens, cache)."""
-    first, cache, _ = prefill_target(nnx.merge(graphdef, state), cache, tokens, lengths, key, sampling, ())
+    first, cache, _ = prefill_target(nnx.merge(cfg.target_def, state), cache, tokens, lengths, key, cfg.sampling, ())
     return first, cache
 
 
-@partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
-def decode(state: nnx.State, cache: KVCache, tokens: jax.Array, lengths: jax.Array, key: jax.Array,
-           active: jax.Array | None = None, *, graphdef: nnx.GraphDef, sampling: SamplingConfig):
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def decode(cfg: StepConfig, state: nnx.State, cache: KVCache, tokens: jax.Array, lengths: jax.Array, key: jax.Array,
+           active: jax.Array | None = None):
     """One token per row: tokens [batch] written at slot/position lengths[b] (not for rows with
     `active[b]` False: finished rows of a batch). Returns (next, cache)."""
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(cfg.target_def, state)
     out = model(tokens[:, None], lengths[:, None], cache, lengths, causal_mask(lengths, 1, cache.max_len),
                 active=active)
-    return sample(out.logits[:, 0], key, sampling), out.cache
+    return sample(out.logits[:, 0], key, cfg.sampling), out.cache

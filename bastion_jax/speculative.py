@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +23,8 @@ from flax import nnx, struct
 
 from bastion_jax.decoding import prefill_target
 from bastion_jax.modeling.cache import KVCache, causal_mask
-from bastion_jax.sampling import SamplingConfig, sample
-
-Proposal = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+from bastion_jax.sampling import sample
+from bastion_jax.step_config import Proposal, StepConfig
 
 
 @struct.dataclass
@@ -138,27 +137,24 @@ def draft_block(*args, draft_vocab: Optional[DraftVocab] = None, **kwargs) -> tu
     return (draft_vocab.to_target(drafts) if draft_vocab is not None else drafts), cache
 
 
-_STATIC = ("target_def", "drafter_def", "sampling", "block_size", "mask_token_id", "tap_layers", "proposal")
-
-
-def merge_models(target_def, target_state, drafter_def, drafter_state):
+def merge_models(cfg: StepConfig, target_state, drafter_state):
     """Merge the split target (and drafter, if any) inside a jitted function."""
-    target = nnx.merge(target_def, target_state)
-    drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
+    target = nnx.merge(cfg.target_def, target_state)
+    drafter = nnx.merge(cfg.drafter_def, drafter_state) if cfg.drafter_def is not None else None
     return target, drafter
 
 
-@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("target_cache", "drafter_cache"))
-def spec_prefill(target_state, drafter_state, target_cache: KVCache, drafter_cache: KVCache,
-                 tokens: jax.Array, lengths: jax.Array, key: jax.Array, draft_vocab: Optional[DraftVocab] = None, *,
-                 target_def, drafter_def, sampling: SamplingConfig, block_size: int, mask_token_id: int,
-                 tap_layers: tuple[int, ...], proposal: Optional[Proposal]) -> SpecState:
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("target_cache", "drafter_cache"))
+def spec_prefill(cfg: StepConfig, target_state, drafter_state, target_cache: KVCache, drafter_cache: KVCache,
+                 tokens: jax.Array, lengths: jax.Array, key: jax.Array,
+                 draft_vocab: Optional[DraftVocab] = None) -> SpecState:
     """Target prefill (tokens [b, bucket] right-padded, lengths [b]) + the drafter's first block."""
-    target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
-    root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, sampling, tap_layers)
+    target, drafter = merge_models(cfg, target_state, drafter_state)
+    root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, cfg.sampling,
+                                                  cfg.tap_layers)
     drafts, drafter_cache = draft_block(target, drafter, drafter_cache, features, jnp.zeros_like(lengths), lengths,
-                                        root, block_size=block_size, mask_token_id=mask_token_id, proposal=proposal,
-                                        draft_vocab=draft_vocab)
+                                        root, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                                        proposal=cfg.proposal, draft_vocab=draft_vocab)
     return SpecState(target_cache, drafter_cache, root, drafts, lengths + 0)  # fresh buffer: donatable
 
 
@@ -168,20 +164,19 @@ def accept_chain(drafts: jax.Array, choices: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(match, axis=1), axis=1)
 
 
-@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def spec_step(target_state, drafter_state, state: SpecState, active: jax.Array, key: jax.Array,
-              draft_vocab: Optional[DraftVocab] = None, *, target_def, drafter_def, sampling: SamplingConfig,
-              block_size: int, mask_token_id: int, tap_layers: tuple[int, ...],
-              proposal: Optional[Proposal]) -> tuple[SpecState, StepOutput]:
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def spec_step(cfg: StepConfig, target_state, drafter_state, state: SpecState, active: jax.Array, key: jax.Array,
+              draft_vocab: Optional[DraftVocab] = None) -> tuple[SpecState, StepOutput]:
     """Verify the current block, accept, emit, inject features and draft the next block."""
-    target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
+    target, drafter = merge_models(cfg, target_state, drafter_state)
+    block_size = cfg.block_size
     cache = state.target_cache
     length = state.length
     tokens = jnp.concatenate([state.root[:, None], state.drafts], axis=1)  # [b, B]
     positions = length[:, None] + jnp.arange(block_size)[None]
     out = target(tokens, positions, cache, length, causal_mask(length, block_size, cache.max_len),
-                 tap_layers=tap_layers, active=active)
-    choices = sample(out.logits, key, sampling)  # [b, B]: the target's token after each slot
+                 tap_layers=cfg.tap_layers, active=active)
+    choices = sample(out.logits, key, cfg.sampling)  # [b, B]: the target's token after each slot
     accepted = accept_chain(state.drafts, choices)  # [b]
     bonus = jnp.take_along_axis(choices, accepted[:, None], axis=1)[:, 0]
     slots = jnp.arange(block_size)[None]
@@ -192,7 +187,7 @@ def spec_step(target_state, drafter_state, state: SpecState, active: jax.Array, 
     n_ctx = jnp.where(active, accepted + 1, 0)
     features = out.taps if out.taps is not None else jnp.zeros((tokens.shape[0], block_size, 1), jnp.float32)
     drafts, drafter_cache = draft_block(target, drafter, state.drafter_cache, features, length, n_ctx, bonus,
-                                        block_size=block_size, mask_token_id=mask_token_id, proposal=proposal,
-                                        draft_vocab=draft_vocab, active=active)
+                                        block_size=block_size, mask_token_id=cfg.mask_token_id,
+                                        proposal=cfg.proposal, draft_vocab=draft_vocab, active=active)
     new_state = SpecState(out.cache, drafter_cache, bonus, drafts, new_length)
     return new_state, StepOutput(emitted, accepted + 1)

@@ -16,14 +16,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from bastion_jax.modeling.cache import KVCache, causal_mask, write_rows
-
-HOLD, DRAFT, FLUSH = 0, 1, 2  # what a step does after committing (see `_then`)
-from bastion_jax.sampling import SamplingConfig, sample
 from bastion_jax.decoding import prefill_target
-from bastion_jax.speculative import DraftVocab, Proposal, StepOutput, draft_logits, merge_models
+from bastion_jax.modeling.cache import KVCache, causal_mask, write_rows
+from bastion_jax.sampling import sample
+from bastion_jax.speculative import DraftVocab, StepOutput, draft_logits, merge_models
+from bastion_jax.step_config import StepConfig
 from bastion_jax.tree import Tree, build_tree, slice_tree, surrogate_curve
 from bastion_jax.verify import compact_cache, tree_attention_mask, walk
+
+HOLD, DRAFT, FLUSH = 0, 1, 2  # what a step does after committing (see `_then`)
 
 
 @struct.dataclass
@@ -56,17 +57,14 @@ def root_tree(root: jax.Array, like: Tree) -> Tree:
     return Tree(tokens, parents, jnp.zeros((b, n), jnp.int32), log_probs, ancestors)
 
 
-_STATIC = ("target_def", "drafter_def", "sampling", "block_size", "mask_token_id", "tap_layers", "proposal",
-           "buckets", "top_k")
-
-
-def _next_tree(target, drafter, drafter_cache, features, ctx_start, ctx_len, root, draft_vocab=None, *, block_size,
-               mask_token_id, proposal, buckets, top_k, active=None):
+def _next_tree(cfg: StepConfig, target, drafter, drafter_cache, features, ctx_start, ctx_len, root, draft_vocab=None,
+               active=None):
     logits, drafter_cache = draft_logits(target, drafter, drafter_cache, features, ctx_start, ctx_len, root,
-                                         block_size=block_size, mask_token_id=mask_token_id, proposal=proposal,
-                                         draft_vocab=draft_vocab, active=active)
+                                         block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                                         proposal=cfg.proposal, draft_vocab=draft_vocab, active=active)
+    buckets = cfg.buckets
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [b, B-1, vocab or N]
-    tree = jax.vmap(build_tree, in_axes=(0, 0, None, None))(root, log_probs, max(buckets), top_k)
+    tree = jax.vmap(build_tree, in_axes=(0, 0, None, None))(root, log_probs, max(buckets), cfg.top_k)
     if draft_vocab is not None:  # node tokens index the draft vocabulary; the root is a target id already
         is_node = jnp.arange(tree.tokens.shape[1])[None] > 0
         tree = tree._replace(tokens=jnp.where(is_node, draft_vocab.to_target(tree.tokens), tree.tokens))
@@ -74,38 +72,33 @@ def _next_tree(target, drafter, drafter_cache, features, ctx_start, ctx_len, roo
     return tree, curve, drafter_cache
 
 
-@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("target_cache", "drafter_cache"))
-def tree_prefill(target_state, drafter_state, target_cache: KVCache, drafter_cache: KVCache, tokens: jax.Array,
-                 lengths: jax.Array, key: jax.Array, draft_vocab: Optional[DraftVocab] = None, *, target_def,
-                 drafter_def, sampling: SamplingConfig,
-                 block_size: int, mask_token_id: int, tap_layers: tuple[int, ...], proposal: Optional[Proposal],
-                 buckets: tuple[int, ...], top_k: int) -> tuple[TreeState, jax.Array]:
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("target_cache", "drafter_cache"))
+def tree_prefill(cfg: StepConfig, target_state, drafter_state, target_cache: KVCache, drafter_cache: KVCache,
+                 tokens: jax.Array, lengths: jax.Array, key: jax.Array,
+                 draft_vocab: Optional[DraftVocab] = None) -> tuple[TreeState, jax.Array]:
     """Target prefill + the first draft tree. Returns (state, surrogate curve [b, n_buckets])."""
-    target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
-    root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, sampling, tap_layers)
-    tree, curve, drafter_cache = _next_tree(target, drafter, drafter_cache, features, jnp.zeros_like(lengths),
-                                            lengths, root, draft_vocab, block_size=block_size,
-                                            mask_token_id=mask_token_id,
-                                            proposal=proposal, buckets=buckets, top_k=top_k)
-    pending = jnp.zeros((root.shape[0], pending_slots(block_size), features.shape[-1]), features.dtype)
+    target, drafter = merge_models(cfg, target_state, drafter_state)
+    root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, cfg.sampling,
+                                                  cfg.tap_layers)
+    tree, curve, drafter_cache = _next_tree(cfg, target, drafter, drafter_cache, features, jnp.zeros_like(lengths),
+                                            lengths, root, draft_vocab)
+    pending = jnp.zeros((root.shape[0], pending_slots(cfg.block_size), features.shape[-1]), features.dtype)
     # `lengths + 0`: a fresh buffer, so the first step can donate the state without a copy.
     return TreeState(target_cache, drafter_cache, tree, lengths + 0, pending, jnp.zeros_like(lengths)), curve
 
 
-def _then(then: int, target, drafter, state: TreeState, pending: jax.Array, pending_len: jax.Array,
-          ctx_start: jax.Array, root: jax.Array, draft_vocab: Optional[DraftVocab], active: jax.Array, *, block_size,
-          mask_token_id, proposal, buckets, top_k):
+def _then(cfg: StepConfig, then: int, target, drafter, state: TreeState, pending: jax.Array, pending_len: jax.Array,
+          ctx_start: jax.Array, root: jax.Array, draft_vocab: Optional[DraftVocab], active: jax.Array):
     """What a step does after committing (`then` is static: each variant is its own executable, so
     a step that holds never touches the drafter cache): HOLD buffers the features (the next step is
     a root step), DRAFT drafts the next tree (injecting every buffered feature first), FLUSH injects
     the buffer without drafting. Returns (drafter cache, next tree, curve [b, n_buckets], pending_len)."""
-    no_curve = jnp.zeros((root.shape[0], len(buckets)), jnp.float32)
+    no_curve = jnp.zeros((root.shape[0], len(cfg.buckets)), jnp.float32)
     if then == HOLD:
         return state.drafter_cache, root_tree(root, state.tree), no_curve, pending_len
     if then == DRAFT:
-        tree, curve, dcache = _next_tree(target, drafter, state.drafter_cache, pending, ctx_start, pending_len, root,
-                                         draft_vocab, block_size=block_size, mask_token_id=mask_token_id,
-                                         proposal=proposal, buckets=buckets, top_k=top_k, active=active)
+        tree, curve, dcache = _next_tree(cfg, target, drafter, state.drafter_cache, pending, ctx_start, pending_len,
+                                         root, draft_vocab, active)
         return dcache, tree, curve, jnp.zeros_like(pending_len)
     if then != FLUSH:
         raise ValueError(f"then must be HOLD (0), DRAFT (1) or FLUSH (2), got {then!r}")
@@ -115,24 +108,22 @@ def _then(then: int, target, drafter, state: TreeState, pending: jax.Array, pend
     return dcache, root_tree(root, state.tree), no_curve, jnp.zeros_like(pending_len)
 
 
-@partial(jax.jit, static_argnames=_STATIC + ("bucket", "then"), donate_argnames=("state",))
-def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
-              draft_vocab: Optional[DraftVocab] = None, *, bucket: int, then: int = 1, target_def,
-              drafter_def, sampling: SamplingConfig,
-              block_size: int, mask_token_id: int, tap_layers: tuple[int, ...], proposal: Optional[Proposal],
-              buckets: tuple[int, ...], top_k: int) -> tuple[TreeState, StepOutput, jax.Array]:
+@partial(jax.jit, static_argnames=("cfg", "bucket", "then"), donate_argnames=("state",))
+def tree_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
+              draft_vocab: Optional[DraftVocab] = None, *, bucket: int,
+              then: int = 1) -> tuple[TreeState, StepOutput, jax.Array]:
     """Verify the first `bucket` nodes of the tree, accept, compact, then (`then`, see `_then`) draft
     the next tree (1, the default), or hold the new features for a later draft (0) or flush (2)."""
-    target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
+    target, drafter = merge_models(cfg, target_state, drafter_state)
     tree = slice_tree(state.tree, bucket)
     length = state.length
     cache = state.target_cache
     tokens = jnp.maximum(tree.tokens, 0)  # padding nodes (-1) embed token 0; they can never be accepted
     positions = length[:, None] + tree.depths  # [b, n]
     mask = tree_attention_mask(length, tree.ancestors, cache.max_len)
-    out = target(tokens, positions, cache, length, mask, tap_layers=tap_layers, active=active)
-    choices = sample(out.logits, key, sampling)  # [b, n]: the target's token after each node
-    depth = block_size - 1
+    out = target(tokens, positions, cache, length, mask, tap_layers=cfg.tap_layers, active=active)
+    choices = sample(out.logits, key, cfg.sampling)  # [b, n]: the target's token after each node
+    depth = cfg.block_size - 1
     path, accepted = jax.vmap(walk, in_axes=(0, 0, 0, None))(tree.tokens, tree.parents, choices, depth)
     last = jnp.take_along_axis(path, accepted[:, None], axis=1)[:, 0]
     bonus = jnp.take_along_axis(choices, last[:, None], axis=1)[:, 0]
@@ -147,70 +138,58 @@ def tree_step(target_state, drafter_state, state: TreeState, active: jax.Array, 
     n_ctx = jnp.where(active, accepted + 1, 0)
     pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len, active)  # [b, W, F]
     drafter_cache, next_tree, curve, pending_len = _then(
-        then, target, drafter, state, pending, state.pending_len + n_ctx,
-        length - state.pending_len, bonus, draft_vocab, active, block_size=block_size, mask_token_id=mask_token_id,
-        proposal=proposal,
-        buckets=buckets, top_k=top_k)
+        cfg, then, target, drafter, state, pending, state.pending_len + n_ctx, length - state.pending_len, bonus,
+        draft_vocab, active)
     new_state = TreeState(target_cache, drafter_cache, next_tree, new_length, pending, pending_len)
     return new_state, StepOutput(emitted, accepted + 1), curve
 
 
-@partial(jax.jit, static_argnames=_STATIC + ("then",), donate_argnames=("state",))
-def root_step(target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
-              draft_vocab: Optional[DraftVocab] = None, *, then: int = 0, target_def, drafter_def,
-              sampling: SamplingConfig, block_size: int,
-              mask_token_id: int, tap_layers: tuple[int, ...], proposal: Optional[Proposal],
-              buckets: tuple[int, ...], top_k: int) -> tuple[TreeState, StepOutput, jax.Array]:
+@partial(jax.jit, static_argnames=("cfg", "then"), donate_argnames=("state",))
+def root_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
+              draft_vocab: Optional[DraftVocab] = None, *, then: int = 0) -> tuple[TreeState, StepOutput, jax.Array]:
     """A plain AR step for a state that holds no draft (the previous step did not draft): the
     target forward on the root alone (no tree mask, walk or compaction), its features buffered,
     then hold (0), draft the next tree (1) or flush the buffer into the drafter (2)."""
-    target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
+    target, drafter = merge_models(cfg, target_state, drafter_state)
     root = state.tree.tokens[:, 0]
     length = state.length
     cache = state.target_cache
     out = target(root[:, None], length[:, None], cache, length, causal_mask(length, 1, cache.max_len),
-                 tap_layers=tap_layers, active=active)
-    choice = sample(out.logits, key, sampling)[:, 0]  # [b]
+                 tap_layers=cfg.tap_layers, active=active)
+    choice = sample(out.logits, key, cfg.sampling)[:, 0]  # [b]
     features = (out.taps if out.taps is not None else jnp.zeros((root.shape[0], 1, 1), jnp.float32))  # [b, 1, F]
     n_new = active.astype(jnp.int32)
     pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len, active)
     drafter_cache, next_tree, curve, pending_len = _then(
-        then, target, drafter, state, pending, state.pending_len + n_new,
-        length - state.pending_len, choice, draft_vocab, active, block_size=block_size, mask_token_id=mask_token_id,
-        proposal=proposal,
-        buckets=buckets, top_k=top_k)
+        cfg, then, target, drafter, state, pending, state.pending_len + n_new, length - state.pending_len, choice,
+        draft_vocab, active)
     new_state = TreeState(out.cache, drafter_cache, next_tree, length + n_new, pending, pending_len)
     return new_state, StepOutput(choice[:, None], jnp.ones_like(length)), curve
 
 
 # -- the two halves of a step, jitted on their own for the profiler ------------------------------
 
-@partial(jax.jit, static_argnames=("target_def", "tap_layers", "bucket"), donate_argnames=("target_cache",))
-def tree_verify(target_state, target_cache: KVCache, tree: Tree, length: jax.Array, *, bucket: int, target_def,
-                tap_layers: tuple[int, ...]) -> tuple[jax.Array, KVCache]:
+@partial(jax.jit, static_argnames=("cfg", "bucket"), donate_argnames=("target_cache",))
+def tree_verify(cfg: StepConfig, target_state, target_cache: KVCache, tree: Tree, length: jax.Array, *,
+                bucket: int) -> tuple[jax.Array, KVCache]:
     """Verify only: the target forward of `tree_step` over the first `bucket` nodes at context `length`
     (tree attention mask, taps) and the argmax at every node. Returns (choices [b, bucket], cache).
 
     The profiler times this against the full step to split a step into verify / draft / rest.
     """
-    target = nnx.merge(target_def, target_state)
+    target = nnx.merge(cfg.target_def, target_state)
     tree = slice_tree(tree, bucket)
     positions = length[:, None] + tree.depths  # [b, n]
     mask = tree_attention_mask(length, tree.ancestors, target_cache.max_len)
-    out = target(jnp.maximum(tree.tokens, 0), positions, target_cache, length, mask, tap_layers=tap_layers)
+    out = target(jnp.maximum(tree.tokens, 0), positions, target_cache, length, mask, tap_layers=cfg.tap_layers)
     return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
 
 
-@partial(jax.jit, static_argnames=("target_def", "drafter_def", "block_size", "mask_token_id", "proposal",
-                                   "buckets", "top_k"), donate_argnames=("drafter_cache",))
-def tree_draft(target_state, drafter_state, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array,
-               ctx_len: jax.Array, root: jax.Array, draft_vocab: Optional[DraftVocab] = None, *, target_def,
-               drafter_def, block_size: int, mask_token_id: int,
-               proposal: Optional[Proposal], buckets: tuple[int, ...],
-               top_k: int) -> tuple[Tree, jax.Array, KVCache]:
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("drafter_cache",))
+def tree_draft(cfg: StepConfig, target_state, drafter_state, drafter_cache: KVCache, features: jax.Array,
+               ctx_start: jax.Array, ctx_len: jax.Array, root: jax.Array,
+               draft_vocab: Optional[DraftVocab] = None) -> tuple[Tree, jax.Array, KVCache]:
     """Draft only: inject `features` [b, C, F], run the drafter's block after `root` and build the
     next tree (the second half of `tree_step`). Returns (tree, curve [b, n_buckets], drafter cache)."""
-    target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
-    return _next_tree(target, drafter, drafter_cache, features, ctx_start, ctx_len, root, draft_vocab,
-                      block_size=block_size,
-                      mask_token_id=mask_token_id, proposal=proposal, buckets=buckets, top_k=top_k)
+    target, drafter = merge_models(cfg, target_state, drafter_state)
+    return _next_tree(cfg, target, drafter, drafter_cache, features, ctx_start, ctx_len, root, draft_vocab)

@@ -122,6 +122,7 @@ def test_finished_rows_write_no_kv(converted):
     from bastion_jax.modeling.cache import KVCache
     from bastion_jax.sampling import SamplingConfig
     from bastion_jax.speculative import spec_prefill, spec_step
+    from bastion_jax.step_config import StepConfig
     from bastion_jax.testing import tiny_drafter_config
     from bastion_jax.tree_decoding import root_step, tree_prefill, tree_step
 
@@ -134,10 +135,7 @@ def test_finished_rows_write_no_kv(converted):
     sampling = SamplingConfig()
     caches = lambda: (KVCache.create(target.config, 2, 64, target.dtype),  # noqa: E731
                       KVCache.create(drafter.config, 2, 64, target.dtype))
-    common = dict(target_def=target.graphdef, drafter_def=drafter.graphdef, sampling=sampling, block_size=BLOCK,
-                  mask_token_id=drafter.config.mask_token_id, tap_layers=tuple(drafter.config.target_layer_ids),
-                  proposal=None)
-    tree_static = dict(common, buckets=BUCKETS, top_k=2)
+    cfg = StepConfig.of(target, drafter, sampling=sampling, buckets=BUCKETS, top_k=2)
 
     def check(state, step):
         frozen, moving = _rows(state, 1), _rows(state, 0)
@@ -147,12 +145,11 @@ def test_finished_rows_write_no_kv(converted):
         return state
 
     tcache, dcache = caches()
-    state, _ = tree_prefill(target.state, drafter.state, tcache, dcache, jnp.asarray(prompts), lens, key,
-                            **tree_static)
-    tree = lambda then, b=8: lambda s: tree_step(target.state, drafter.state, s, active, key,  # noqa: E731
-                                                 bucket=b, then=then, **tree_static)[0]
-    root = lambda then: lambda s: root_step(target.state, drafter.state, s, active, key,  # noqa: E731
-                                            then=then, **tree_static)[0]
+    state, _ = tree_prefill(cfg, target.state, drafter.state, tcache, dcache, jnp.asarray(prompts), lens, key)
+    tree = lambda then, b=8: lambda s: tree_step(cfg, target.state, drafter.state, s, active, key,  # noqa: E731
+                                                 bucket=b, then=then)[0]
+    root = lambda then: lambda s: root_step(cfg, target.state, drafter.state, s, active, key,  # noqa: E731
+                                            then=then)[0]
     state = check(state, tree(1))      # verify a tree, draft the next
     state = check(state, tree(0, 4))   # verify, hold the features
     state = check(state, root(0))      # AR step, hold
@@ -160,10 +157,9 @@ def test_finished_rows_write_no_kv(converted):
     check(state, root(1))              # AR step, draft
 
     tcache, dcache = caches()
-    spec = spec_prefill(target.state, drafter.state, tcache, dcache, jnp.asarray(prompts), lens, key, **common)
-    check(spec, lambda s: spec_step(target.state, drafter.state, s, active, key, **common)[0])
+    spec = spec_prefill(cfg, target.state, drafter.state, tcache, dcache, jnp.asarray(prompts), lens, key)
+    check(spec, lambda s: spec_step(cfg, target.state, drafter.state, s, active, key)[0])
 
     tcache, _ = caches()
-    ar = dict(graphdef=target.graphdef, sampling=sampling)
     tokens = jnp.asarray([3, 4], jnp.int32)
-    check(tcache, lambda c: decode(target.state, c, tokens, lens, key, active, **ar)[1])
+    check(tcache, lambda c: decode(cfg, target.state, c, tokens, lens, key, active)[1])

@@ -11,6 +11,7 @@ from bastion_jax.checkpoints import random_drafter
 from bastion_jax.engine import Engine
 from bastion_jax.modeling.cache import KVCache, causal_mask
 from bastion_jax.sampling import SamplingConfig
+from bastion_jax.step_config import StepConfig
 from bastion_jax.testing import tiny_drafter_config
 from bastion_jax.tree_decoding import pending_slots, root_step, tree_prefill, tree_step
 
@@ -25,9 +26,7 @@ def drive(target, drafter, prompts, n_steps, seed, sampling=SamplingConfig(), ca
     final state, kinds used)."""
     rng = np.random.default_rng(seed)
     b = len(prompts)
-    static = dict(target_def=target.graphdef, drafter_def=drafter.graphdef, sampling=sampling, block_size=BLOCK,
-                  mask_token_id=drafter.config.mask_token_id, tap_layers=tuple(drafter.config.target_layer_ids),
-                  proposal=None, buckets=BUCKETS, top_k=4)
+    cfg = StepConfig.of(target, drafter, sampling=sampling, buckets=BUCKETS, top_k=4)
     lens = np.array([len(p) for p in prompts], np.int32)
     padded = np.zeros((b, 16), np.int32)
     for i, p in enumerate(prompts):
@@ -35,8 +34,8 @@ def drive(target, drafter, prompts, n_steps, seed, sampling=SamplingConfig(), ca
     tcache = KVCache.create(target.config, b, cache_len, target.dtype)
     dcache = KVCache.create(drafter.config, b, cache_len, target.dtype)
     key = jax.random.PRNGKey(seed)
-    state, _ = tree_prefill(target.state, drafter.state, tcache, dcache, jnp.asarray(padded), jnp.asarray(lens),
-                            key, **static)
+    state, _ = tree_prefill(cfg, target.state, drafter.state, tcache, dcache, jnp.asarray(padded),
+                            jnp.asarray(lens), key)
     out = [[int(t)] for t in np.asarray(state.tree.tokens[:, 0])]
     active = jnp.ones((b,), bool)
     held, pending, kinds = False, 0, []
@@ -52,12 +51,12 @@ def drive(target, drafter, prompts, n_steps, seed, sampling=SamplingConfig(), ca
         # With a tree in hand the host may still take a root step (dropping the tree), as the engine
         # does when drafting stops paying.
         if held or (schedule is None and rng.random() < 0.3):
-            state, res, _ = root_step(target.state, drafter.state, state, active, sub, then=then, **static)
+            state, res, _ = root_step(cfg, target.state, drafter.state, state, active, sub, then=then)
             kinds.append(("root", then))
         else:
             bucket = int(rng.choice(BUCKETS))
-            state, res, _ = tree_step(target.state, drafter.state, state, active, sub, bucket=bucket, then=then,
-                                      **static)
+            state, res, _ = tree_step(cfg, target.state, drafter.state, state, active, sub, bucket=bucket,
+                                      then=then)
             kinds.append((bucket, then))
         toks, counts = np.asarray(res.tokens), np.asarray(res.count)
         for i in range(b):
@@ -140,20 +139,18 @@ def test_draft_vocab_permutation_gives_the_same_trees(pair):
     from bastion_jax.speculative import DraftVocab
 
     target, drafter = pair
-    static = dict(target_def=target.graphdef, drafter_def=drafter.graphdef, sampling=SamplingConfig(),
-                  block_size=BLOCK, mask_token_id=drafter.config.mask_token_id,
-                  tap_layers=tuple(drafter.config.target_layer_ids), proposal=None, buckets=BUCKETS, top_k=4)
+    cfg = StepConfig.of(target, drafter, buckets=BUCKETS, top_k=4)
     v = target.config.vocab_size
     padded = jnp.asarray([[5, 9, 11, 40, 41] + [0] * 11])
-    args = lambda: (target.state, drafter.state, KVCache.create(target.config, 1, 64, target.dtype),  # noqa: E731
+    args = lambda: (cfg, target.state, drafter.state, KVCache.create(target.config, 1, 64, target.dtype),  # noqa: E731
                     KVCache.create(drafter.config, 1, 64, target.dtype), padded, jnp.array([5]), jax.random.PRNGKey(0))
-    full, curve = tree_prefill(*args(), **static)
+    full, curve = tree_prefill(*args())
     shuffled = DraftVocab.from_ranking(target, np.random.default_rng(0).permutation(v), v)
-    same, curve2 = tree_prefill(*args(), shuffled, **static)
+    same, curve2 = tree_prefill(*args(), shuffled)
     np.testing.assert_array_equal(np.asarray(same.tree.tokens), np.asarray(full.tree.tokens))
     np.testing.assert_allclose(np.asarray(curve2), np.asarray(curve), rtol=1e-5)
     small = DraftVocab.from_ranking(target, np.arange(v)[::-1], 20)  # ids 95..76 only
-    part, _ = tree_prefill(*args(), small, **static)
+    part, _ = tree_prefill(*args(), small)
     toks = np.asarray(part.tree.tokens)[0]
     assert toks[0] == int(full.tree.tokens[0, 0])  # the root is the target's token, not remapped
     assert set(toks[1:][toks[1:] >= 0]) <= set(range(76, 96))

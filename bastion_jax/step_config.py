@@ -1,0 +1,49 @@
+"""`StepConfig`: everything static about a decoding step, in one hashable value.
+
+Every jitted step (`decoding`, `speculative`, `tree_decoding`) takes it as its first, static
+argument: the models' graph definitions, the sampling rule, the drafter's block and mask token,
+the tapped target layers, an optional proposal hook, the tree buckets and width. Two calls with
+equal configs and shapes share one compiled executable; anything that changes the compiled code
+is in here, so a changed setting can never silently reuse a stale compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import jax
+from flax import nnx
+
+from bastion_jax.sampling import SamplingConfig
+
+# proposal(root [b], root position [b], drafter logits [b, B-1, V]) -> logits: replaces or edits the
+# drafter's per-position logits inside the step (tests use oracle and half-right drafters with it).
+Proposal = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    target_def: nnx.GraphDef
+    drafter_def: Optional[nnx.GraphDef] = None
+    sampling: SamplingConfig = SamplingConfig()
+    block_size: int = 0  # drafted block incl. the root (0: no drafting, AR only)
+    mask_token_id: int = 0
+    tap_layers: tuple[int, ...] = ()  # target layers whose outputs feed the drafter
+    proposal: Optional[Proposal] = None
+    buckets: tuple[int, ...] = (1,)  # tree sizes a tree step can verify (the tree holds max(buckets) nodes)
+    top_k: int = 1  # tree width: children considered per node
+
+    @classmethod
+    def of(cls, target, drafter=None, *, sampling: SamplingConfig = SamplingConfig(),
+           buckets: Sequence[int] = (1,), top_k: int = 1, proposal: Optional[Proposal] = None,
+           block_size: Optional[int] = None, mask_token_id: int = 0) -> "StepConfig":
+        """The config for a loaded target (and drafter): block size, mask token and taps come from the
+        drafter's config when there is one (`block_size` / `mask_token_id` serve a drafter-less
+        proposal)."""
+        if drafter is not None:
+            block_size, mask_token_id = drafter.config.block_size, drafter.config.mask_token_id
+        return cls(target_def=target.graphdef, drafter_def=drafter.graphdef if drafter is not None else None,
+                   sampling=sampling, block_size=block_size or 0, mask_token_id=mask_token_id,
+                   tap_layers=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
+                   proposal=proposal, buckets=tuple(sorted(set(int(b) for b in buckets))), top_k=top_k)
