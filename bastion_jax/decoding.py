@@ -12,12 +12,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bastion_jax.modeling.cache import KVCache, causal_mask
-from bastion_jax.sampling import SamplingConfig, sample
+from bastion_jax.sampling import sample
 from bastion_jax.step_config import StepConfig
 
 
-def prefill_target(target, cache: KVCache, tokens: jax.Array, lengths: jax.Array, key: jax.Array,
-                   sampling: SamplingConfig, tap_layers: tuple[int, ...]):
+def prefill_target(target, cache: KVCache, tokens: jax.Array, lengths: jax.Array, key,
+                   greedy: bool, tap_layers: tuple[int, ...]):
     """Prompts right-padded to a bucket [b, t] -> (first token [b], cache, features [b, t, F]).
 
     Writes K/V for all bucket slots (slots >= length hold padding that is masked out and later
@@ -30,14 +30,14 @@ def prefill_target(target, cache: KVCache, tokens: jax.Array, lengths: jax.Array
     out = target(tokens, positions, cache, zero, causal_mask(zero, t, cache.max_len),
                  tap_layers=tap_layers, logits_index=(lengths - 1)[:, None])
     features = out.taps if out.taps is not None else jnp.zeros((b, t, 1), jnp.float32)
-    return sample(out.logits[:, 0], key, sampling), out.cache, features
+    return sample(out.logits[:, 0], key, greedy), out.cache, features
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def prefill(cfg: StepConfig, state: nnx.State, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
             key: jax.Array):
     """AR prefill: tokens [batch, bucket] right-padded, lengths [batch] -> (first tokens, cache)."""
-    first, cache, _ = prefill_target(nnx.merge(cfg.target_def, state), cache, tokens, lengths, key, cfg.sampling, ())
+    first, cache, _ = prefill_target(nnx.merge(cfg.target_def, state), cache, tokens, lengths, key, cfg.greedy, ())
     return first, cache
 
 
@@ -49,4 +49,4 @@ def decode(cfg: StepConfig, state: nnx.State, cache: KVCache, tokens: jax.Array,
     model = nnx.merge(cfg.target_def, state)
     out = model(tokens[:, None], lengths[:, None], cache, lengths, causal_mask(lengths, 1, cache.max_len),
                 active=active)
-    return sample(out.logits[:, 0], key, cfg.sampling), out.cache
+    return sample(out.logits[:, 0], key, cfg.greedy), out.cache

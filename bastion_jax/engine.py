@@ -26,7 +26,7 @@ from bastion_jax.controller import DEFAULT_BUCKETS, Controller, Policy, PolicyEr
 from bastion_jax.draft_gate import DraftGate
 from bastion_jax.executables import Executables
 from bastion_jax.latency import AR, AR_DRAFT, DevicePeaks, LatencyModel, ModelDims
-from bastion_jax.sampling import SamplingConfig
+from bastion_jax.sampling import SamplingConfig, sampler
 from bastion_jax.speculative import DraftVocab
 from bastion_jax.stats import Result, Rows, Stats
 from bastion_jax.tree_decoding import DRAFT, HOLD
@@ -142,7 +142,7 @@ class Engine:
             roots = exe.roots(batch, cache_len, sampling)
             variants[AR], variants[AR_DRAFT] = roots[HOLD], roots[DRAFT]
         dstate = self.drafter.state if self.drafter else None
-        key = jax.random.PRNGKey(0)
+        key = sampler(jax.random.PRNGKey(0), sampling)
         state, _ = prefill(self.target.state, dstate, exe.new_cache(batch, cache_len),
                            exe.new_drafter_cache(batch, cache_len), jnp.zeros((batch, 16), jnp.int32),
                            jnp.ones((batch,), jnp.int32), key)
@@ -254,12 +254,14 @@ class Engine:
             padded[i, : len(p)] = p
         rng = jax.random.PRNGKey(seed)
         rng, sub = jax.random.split(rng)
+        # Temperature, top-k and top-p are arrays (made once per request): other values compile nothing.
+        params = sampler(sub, sampling)
         tcache = exe.new_cache(batch, cache_len)
         dstate = self.drafter.state if self.drafter else None
         # Every step writes at most `slack` slots past the committed length and cache_len_for made
         # room for all of them after max_new_tokens, so every row may produce its full budget.
         rows = Rows(batch, max_new_tokens, self.stop_ids)
-        prompt_args = (jnp.asarray(padded), jnp.asarray(lens), sub)
+        prompt_args = (jnp.asarray(padded), jnp.asarray(lens), params)
         if policy.kind == "ar":
             nxt, tcache = prefill(self.target.state, tcache, *prompt_args)
             first = np.asarray(nxt)
@@ -288,6 +290,7 @@ class Engine:
         compiled_before_loop = compile_counter.compilations()
         while not rows.done.all():
             rng, sub = jax.random.split(rng)
+            sub = params.replace(key=sub)
             active = ~rows.done
             if policy.kind == "ar":
                 nxt, tcache = step(self.target.state, tcache, jax.device_put(cur), jax.device_put(lengths), sub,

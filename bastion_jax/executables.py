@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from bastion_jax import decoding, speculative, tree_decoding
 from bastion_jax.checkpoints import LoadedDrafter, Target
 from bastion_jax.modeling.cache import KVCache
-from bastion_jax.sampling import SamplingConfig
+from bastion_jax.sampling import SamplingConfig, sampler
 from bastion_jax.speculative import DraftVocab
 from bastion_jax.step_config import StepConfig
 from bastion_jax.tree_decoding import DRAFT, FLUSH, HOLD
@@ -91,7 +91,7 @@ class Executables:
         cfg = self.config(sampling)
         i32 = jnp.int32
         rows = jax.ShapeDtypeStruct((batch,), i32)
-        rng = jax.random.PRNGKey(0)
+        rng = sampler(jax.random.PRNGKey(0), sampling)
         tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
         prefill = self.compiled(decoding.prefill, ("prefill", cfg, batch, bucket, cache_len),
                                 (cfg, self.target.state, tcache, jax.ShapeDtypeStruct((batch, bucket), i32), rows, rng))
@@ -105,7 +105,7 @@ class Executables:
         tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
         dcache = jax.eval_shape(lambda: self.new_drafter_cache(batch, cache_len))
         return (cfg, self.target.state, dstate, tcache, dcache, jax.ShapeDtypeStruct((batch, bucket), i32),
-                jax.ShapeDtypeStruct((batch,), i32), jax.random.PRNGKey(0), self.draft_vocab)
+                jax.ShapeDtypeStruct((batch,), i32), sampler(jax.random.PRNGKey(0), SamplingConfig()), self.draft_vocab)
 
     def chain(self, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig):
         """(prefill, step) of chain speculative decoding (mode dflash) at these shapes."""

@@ -85,7 +85,7 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
     from bastion_jax.controller import Controller, Policy
     from bastion_jax.latency import AR, AR_DRAFT
     from bastion_jax.tree_decoding import DRAFT, HOLD
-    from bastion_jax.sampling import SamplingConfig
+    from bastion_jax.sampling import SamplingConfig, sampler
 
     buckets = engine.buckets
     sampling = SamplingConfig()
@@ -104,7 +104,7 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
 
     tstate = engine.target.state
     dstate = engine.drafter.state if engine.drafter else None
-    key = jax.random.PRNGKey(0)
+    key = sampler(jax.random.PRNGKey(0), sampling)
     state, curve = prefill(tstate, dstate, exe.new_cache(1, cache_len), exe.new_drafter_cache(1, cache_len),
                            jnp.zeros((1, 16), jnp.int32), jnp.ones((1,), jnp.int32), key)
     ar_cache = exe.new_cache(1, cache_len)
@@ -208,8 +208,11 @@ def _host_loop(step, tstate, dstate, box: dict, controller, latency, b: int, c: 
     emitted tokens and counts, the online latency update and the per-row bookkeeping."""
     import jax
 
+    from bastion_jax.sampling import SamplingConfig, sampler
+
     active = np.zeros(1, bool)  # inactive: the context stays at c, as in the other measurements
     lengths = np.full(1, c, np.int32)
+    params = sampler(rng, SamplingConfig())  # as the engine: made once, only the key changes per step
     t0 = 0.0
     for i in range(warmup + reps):
         if i == warmup:
@@ -217,7 +220,8 @@ def _host_loop(step, tstate, dstate, box: dict, controller, latency, b: int, c: 
         rng, sub = jax.random.split(rng)
         controller.choose(np.asarray(box["curve"]), c, np.ones(1, bool))
         ts = time.perf_counter()
-        box["state"], out, box["curve"] = step(tstate, dstate, box["state"], jax.device_put(active), sub)
+        box["state"], out, box["curve"] = step(tstate, dstate, box["state"], jax.device_put(active),
+                                               params.replace(key=sub))
         toks, counts = np.asarray(out.tokens), np.asarray(out.count)
         latency.observe(b, c, time.perf_counter() - ts)
         _ = [toks[r, : counts[r]] for r in range(toks.shape[0])]

@@ -1,7 +1,10 @@
 """Token choice from logits: greedy, or temperature sampling with optional top-k / top-p.
 
-`SamplingConfig` is frozen and hashable: it is a static argument of the jitted steps, so greedy
-decoding compiles to a plain argmax with no RNG work.
+Greedy or not is the only static choice (`StepConfig.greedy`: greedy steps compile to a plain
+argmax with no RNG work). Temperature, top-k and top-p travel as arrays in a `Sampler` together
+with the PRNG key, so a request with other values reuses the compiled steps. Top-k and top-p
+look at the `PREFILTER` largest logits only (`lax.top_k`, no full-vocabulary sort) and fall back
+to a full sort only in the rare case the answer lies outside them, so the result is always exact.
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import struct
+
+PREFILTER = 256  # logits looked at by top-k / top-p before any full sort
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,24 +37,63 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
-def filter_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """Tempered logits with everything outside top-k / the top-p nucleus set to -inf. [..., vocab]"""
-    logits = logits.astype(jnp.float32) / cfg.temperature
-    if cfg.top_k and cfg.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, cfg.top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if cfg.top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]  # descending
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep = mass_before < cfg.top_p  # smallest prefix whose mass reaches top_p
-        threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, -jnp.inf, logits)
-    return logits
+@struct.dataclass
+class Sampler:
+    """The traced half of sampling: a PRNG key and the parameters as arrays."""
+
+    key: jax.Array
+    temperature: jax.Array  # [] float32 (> 0 in a sampling step)
+    top_k: jax.Array  # [] int32, 0 = off
+    top_p: jax.Array  # [] float32, 1 = off
 
 
-def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """One token per row of `logits` `[..., vocab]` -> `[...]` int32."""
-    if cfg.greedy:
+def sampler(key: jax.Array, cfg: "SamplingConfig") -> Sampler:
+    """`key` with `cfg`'s parameters as arrays: the sampling argument of every step."""
+    return Sampler(key, jnp.float32(cfg.temperature), jnp.int32(cfg.top_k), jnp.float32(cfg.top_p))
+
+
+def _descending(z: jax.Array) -> jax.Array:
+    return -jnp.sort(-z, axis=-1)
+
+
+def _nucleus(values: jax.Array, z: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(threshold [..., 1], mass of `values` [...]): the smallest prefix of `values` (logits sorted
+    descending, a prefix of all of them) whose probability under `z` reaches top_p; its last value."""
+    probs = jnp.exp(values - jax.nn.logsumexp(z, axis=-1, keepdims=True))
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    threshold = jnp.min(jnp.where(mass_before < top_p, values, jnp.inf), axis=-1, keepdims=True)
+    return threshold, jnp.sum(probs, axis=-1)
+
+
+def filter_logits(logits: jax.Array, s: Sampler) -> jax.Array:
+    """Tempered logits with everything outside top-k / the top-p nucleus set to -inf. [..., vocab]
+
+    Both cut-offs are read from the PREFILTER largest logits; when the answer lies beyond them for
+    some row (top-k > PREFILTER, or a nucleus wider than PREFILTER tokens) the batch sorts in full.
+    """
+    z = logits.astype(jnp.float32) / s.temperature
+    vocab = z.shape[-1]
+    top = jax.lax.top_k(z, min(PREFILTER, vocab))[0]  # [..., n] descending
+    k = s.top_k
+    use_k = (k > 0) & (k < vocab)
+
+    def kth(values):  # the k-th largest logit, [..., 1]
+        return jnp.take(values, jnp.clip(k - 1, 0, values.shape[-1] - 1), axis=-1)[..., None]
+
+    cut = jax.lax.cond(use_k & (k > top.shape[-1]), lambda: kth(_descending(z)), lambda: kth(top))
+    z = jnp.where(use_k & (z < cut), -jnp.inf, z)
+    top = jnp.where(use_k & (top < cut), -jnp.inf, top)
+    threshold, covered = _nucleus(top, z, s.top_p)
+    wider = (s.top_p < 1.0) & jnp.any(covered < s.top_p)  # some nucleus reaches past the prefilter
+    threshold = jax.lax.cond(wider, lambda: _nucleus(_descending(z), z, s.top_p)[0], lambda: threshold)
+    return jnp.where((s.top_p < 1.0) & (z < threshold), -jnp.inf, z)
+
+
+def sample(logits: jax.Array, key, greedy: bool) -> jax.Array:
+    """One token per row of `logits` `[..., vocab]` -> `[...]` int32. `key` is a `Sampler` (a bare
+    PRNG key is enough for a greedy step, which draws nothing)."""
+    if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, filter_logits(logits, cfg), axis=-1).astype(jnp.int32)
+    if not isinstance(key, Sampler):
+        raise TypeError("a sampling step needs a Sampler (sampling.sampler(key, SamplingConfig(...))), not a bare key")
+    return jax.random.categorical(key.key, filter_logits(logits, key), axis=-1).astype(jnp.int32)

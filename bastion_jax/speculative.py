@@ -150,7 +150,7 @@ def spec_prefill(cfg: StepConfig, target_state, drafter_state, target_cache: KVC
                  draft_vocab: Optional[DraftVocab] = None) -> SpecState:
     """Target prefill (tokens [b, bucket] right-padded, lengths [b]) + the drafter's first block."""
     target, drafter = merge_models(cfg, target_state, drafter_state)
-    root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, cfg.sampling,
+    root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, cfg.greedy,
                                                   cfg.tap_layers)
     drafts, drafter_cache = draft_block(target, drafter, drafter_cache, features, jnp.zeros_like(lengths), lengths,
                                         root, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
@@ -176,7 +176,7 @@ def spec_step(cfg: StepConfig, target_state, drafter_state, state: SpecState, ac
     positions = length[:, None] + jnp.arange(block_size)[None]
     out = target(tokens, positions, cache, length, causal_mask(length, block_size, cache.max_len),
                  tap_layers=cfg.tap_layers, active=active)
-    choices = sample(out.logits, key, cfg.sampling)  # [b, B]: the target's token after each slot
+    choices = sample(out.logits, key, cfg.greedy)  # [b, B]: the target's token after each slot
     accepted = accept_chain(state.drafts, choices)  # [b]
     bonus = jnp.take_along_axis(choices, accepted[:, None], axis=1)[:, 0]
     slots = jnp.arange(block_size)[None]

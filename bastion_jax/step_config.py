@@ -1,10 +1,12 @@
 """`StepConfig`: everything static about a decoding step, in one hashable value.
 
 Every jitted step (`decoding`, `speculative`, `tree_decoding`) takes it as its first, static
-argument: the models' graph definitions, the sampling rule, the drafter's block and mask token,
+argument: the models' graph definitions, greedy or not, the drafter's block and mask token,
 the tapped target layers, an optional proposal hook, the tree buckets and width. Two calls with
 equal configs and shapes share one compiled executable; anything that changes the compiled code
-is in here, so a changed setting can never silently reuse a stale compilation.
+is in here, so a changed setting can never silently reuse a stale compilation. Temperature,
+top-k and top-p are not: they travel as arrays in the `sampling.Sampler` each step takes, so a
+request with other values compiles nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ Proposal = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 class StepConfig:
     target_def: nnx.GraphDef
     drafter_def: Optional[nnx.GraphDef] = None
-    sampling: SamplingConfig = SamplingConfig()
+    greedy: bool = True  # argmax; else sample with the step's Sampler (temperature, top-k, top-p)
     block_size: int = 0  # drafted block incl. the root (0: no drafting, AR only)
     mask_token_id: int = 0
     tap_layers: tuple[int, ...] = ()  # target layers whose outputs feed the drafter
@@ -44,6 +46,6 @@ class StepConfig:
         if drafter is not None:
             block_size, mask_token_id = drafter.config.block_size, drafter.config.mask_token_id
         return cls(target_def=target.graphdef, drafter_def=drafter.graphdef if drafter is not None else None,
-                   sampling=sampling, block_size=block_size or 0, mask_token_id=mask_token_id,
+                   greedy=sampling.greedy, block_size=block_size or 0, mask_token_id=mask_token_id,
                    tap_layers=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
                    proposal=proposal, buckets=tuple(sorted(set(int(b) for b in buckets))), top_k=top_k)

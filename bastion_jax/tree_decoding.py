@@ -78,7 +78,7 @@ def tree_prefill(cfg: StepConfig, target_state, drafter_state, target_cache: KVC
                  draft_vocab: Optional[DraftVocab] = None) -> tuple[TreeState, jax.Array]:
     """Target prefill + the first draft tree. Returns (state, surrogate curve [b, n_buckets])."""
     target, drafter = merge_models(cfg, target_state, drafter_state)
-    root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, cfg.sampling,
+    root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, cfg.greedy,
                                                   cfg.tap_layers)
     tree, curve, drafter_cache = _next_tree(cfg, target, drafter, drafter_cache, features, jnp.zeros_like(lengths),
                                             lengths, root, draft_vocab)
@@ -122,7 +122,7 @@ def tree_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
     positions = length[:, None] + tree.depths  # [b, n]
     mask = tree_attention_mask(length, tree.ancestors, cache.max_len)
     out = target(tokens, positions, cache, length, mask, tap_layers=cfg.tap_layers, active=active)
-    choices = sample(out.logits, key, cfg.sampling)  # [b, n]: the target's token after each node
+    choices = sample(out.logits, key, cfg.greedy)  # [b, n]: the target's token after each node
     depth = cfg.block_size - 1
     path, accepted = jax.vmap(walk, in_axes=(0, 0, 0, None))(tree.tokens, tree.parents, choices, depth)
     last = jnp.take_along_axis(path, accepted[:, None], axis=1)[:, 0]
@@ -156,7 +156,7 @@ def root_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
     cache = state.target_cache
     out = target(root[:, None], length[:, None], cache, length, causal_mask(length, 1, cache.max_len),
                  tap_layers=cfg.tap_layers, active=active)
-    choice = sample(out.logits, key, cfg.sampling)[:, 0]  # [b]
+    choice = sample(out.logits, key, cfg.greedy)[:, 0]  # [b]
     features = (out.taps if out.taps is not None else jnp.zeros((root.shape[0], 1, 1), jnp.float32))  # [b, 1, F]
     n_new = active.astype(jnp.int32)
     pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len, active)

@@ -12,7 +12,7 @@ from bastion_jax.controller import Controller, Policy, PolicyError
 from bastion_jax.engine import Engine, GenerationError
 from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims
 from bastion_jax.modeling.cache import KVCache, causal_mask
-from bastion_jax.sampling import SamplingConfig
+from bastion_jax.sampling import SamplingConfig, sampler
 from bastion_jax.testing import greedy_continuation, pair_chi_square, tiny_drafter_config, two_token_law
 
 BLOCK = 5
@@ -86,8 +86,9 @@ def test_compaction_equals_sequential_cache(converted):
     padded = np.zeros((1, 16), np.int32)
     padded[0, : len(PROMPT)] = PROMPT
     state, _ = prefill(target.state, None, tcache, KVCache(k=(), v=()), jnp.asarray(padded),
-                       jnp.array([len(PROMPT)]), jax.random.PRNGKey(0))
-    state, out, _ = steps[16](target.state, None, state, jnp.array([True]), jax.random.PRNGKey(1))
+                       jnp.array([len(PROMPT)]), sampler(jax.random.PRNGKey(0), SamplingConfig()))
+    state, out, _ = steps[16](target.state, None, state, jnp.array([True]),
+                              sampler(jax.random.PRNGKey(1), SamplingConfig()))
     length = int(state.length[0])
     # Root + >= 2 accepted second-choice drafts: they sat at scattered node slots, so the
     # compaction really moved K/V.

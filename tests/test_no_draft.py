@@ -10,7 +10,7 @@ from flax import nnx
 from bastion_jax.checkpoints import random_drafter
 from bastion_jax.engine import Engine
 from bastion_jax.modeling.cache import KVCache, causal_mask
-from bastion_jax.sampling import SamplingConfig
+from bastion_jax.sampling import SamplingConfig, sampler
 from bastion_jax.step_config import StepConfig
 from bastion_jax.testing import tiny_drafter_config
 from bastion_jax.tree_decoding import pending_slots, root_step, tree_prefill, tree_step
@@ -34,8 +34,9 @@ def drive(target, drafter, prompts, n_steps, seed, sampling=SamplingConfig(), ca
     tcache = KVCache.create(target.config, b, cache_len, target.dtype)
     dcache = KVCache.create(drafter.config, b, cache_len, target.dtype)
     key = jax.random.PRNGKey(seed)
+    params = sampler(key, sampling)  # temperature / top-k / top-p as arrays; the key changes per step
     state, _ = tree_prefill(cfg, target.state, drafter.state, tcache, dcache, jnp.asarray(padded),
-                            jnp.asarray(lens), key)
+                            jnp.asarray(lens), params)
     out = [[int(t)] for t in np.asarray(state.tree.tokens[:, 0])]
     active = jnp.ones((b,), bool)
     held, pending, kinds = False, 0, []
@@ -51,12 +52,13 @@ def drive(target, drafter, prompts, n_steps, seed, sampling=SamplingConfig(), ca
         # With a tree in hand the host may still take a root step (dropping the tree), as the engine
         # does when drafting stops paying.
         if held or (schedule is None and rng.random() < 0.3):
-            state, res, _ = root_step(cfg, target.state, drafter.state, state, active, sub, then=then)
+            state, res, _ = root_step(cfg, target.state, drafter.state, state, active, params.replace(key=sub),
+                                      then=then)
             kinds.append(("root", then))
         else:
             bucket = int(rng.choice(BUCKETS))
-            state, res, _ = tree_step(cfg, target.state, drafter.state, state, active, sub, bucket=bucket,
-                                      then=then)
+            state, res, _ = tree_step(cfg, target.state, drafter.state, state, active, params.replace(key=sub),
+                                      bucket=bucket, then=then)
             kinds.append((bucket, then))
         toks, counts = np.asarray(res.tokens), np.asarray(res.count)
         for i in range(b):

@@ -1,11 +1,13 @@
-"""Sampling rules: the empirical distribution of `sample` equals the filtered softmax."""
+"""Sampling rules: the empirical distribution of `sample` equals the filtered softmax; the prefiltered
+top-k / top-p equal a full sort on a real-sized vocabulary, including past the prefilter."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bastion_jax.sampling import SamplingConfig, filter_logits, sample
+from bastion_jax.sampling import PREFILTER, SamplingConfig, filter_logits, sample, sampler
+from bastion_jax.testing import filtered_probs
 
 LOGITS = jnp.log(jnp.array([0.05, 0.4, 0.25, 0.2, 0.1]))
 
@@ -37,7 +39,7 @@ def expected_probs(cfg: SamplingConfig) -> np.ndarray:
 def test_sample_distribution_matches_filtered_softmax(cfg):
     n = 20000
     keys = jax.random.split(jax.random.PRNGKey(0), n)
-    draws = np.asarray(jax.vmap(lambda k: sample(LOGITS, k, cfg))(keys))
+    draws = np.asarray(jax.vmap(lambda k: sample(LOGITS, sampler(k, cfg), cfg.greedy))(keys))
     counts = np.bincount(draws, minlength=5)
     exp = expected_probs(cfg) * n
     assert (counts[exp == 0] == 0).all(), "a filtered-out token was sampled"
@@ -47,12 +49,14 @@ def test_sample_distribution_matches_filtered_softmax(cfg):
 
 
 def test_filter_keeps_probabilities_of_kept_tokens():
-    out = np.asarray(jax.nn.softmax(filter_logits(LOGITS, SamplingConfig(1.0, top_k=2))))
+    out = np.asarray(jax.nn.softmax(filter_logits(LOGITS, sampler(jax.random.PRNGKey(0), SamplingConfig(1.0, top_k=2)))))
     np.testing.assert_allclose(out, [0, 0.4 / 0.65, 0.25 / 0.65, 0, 0], atol=1e-6)
 
 
 def test_greedy_is_argmax():
-    assert int(sample(LOGITS, jax.random.PRNGKey(0), SamplingConfig())) == 1
+    assert int(sample(LOGITS, jax.random.PRNGKey(0), greedy=True)) == 1
+    with pytest.raises(TypeError, match="Sampler"):
+        sample(LOGITS, jax.random.PRNGKey(0), greedy=False)  # a sampling step needs its parameters
 
 
 def test_invalid_sampling_config():
@@ -60,3 +64,37 @@ def test_invalid_sampling_config():
         SamplingConfig(1.0, top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingConfig(-1.0)
+
+
+@pytest.mark.parametrize("cfg", [
+    SamplingConfig(1.0, top_k=40), SamplingConfig(1.0, top_k=3 * PREFILTER),  # within / past the prefilter
+    SamplingConfig(0.8, top_p=0.9), SamplingConfig(3.0, top_p=0.95),  # a nucleus of a few / of many tokens
+    SamplingConfig(1.2, top_k=2 * PREFILTER, top_p=0.97), SamplingConfig(0.7, top_k=10, top_p=0.5),
+])
+def test_prefiltered_filters_equal_a_full_sort(cfg):
+    """Top-k / top-p read the PREFILTER largest logits only, and sort in full when a row's answer lies
+    beyond them: on 4096-token rows, peaked and flat, the law equals the NumPy full-sort restatement
+    (and the flat rows really do need more than PREFILTER tokens at T=3, top-p 0.95)."""
+    rng = np.random.default_rng(0)
+    logits = np.stack([rng.normal(0, 4, 4096), rng.normal(0, 0.3, 4096)]).astype(np.float32)  # peaked, flat
+    got = np.asarray(jax.nn.softmax(filter_logits(jnp.asarray(logits), sampler(jax.random.PRNGKey(0), cfg))))
+    want = filtered_probs(logits, cfg)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    np.testing.assert_array_equal(got > 0, want > 0)
+    if cfg.top_p == 0.95:
+        assert (want[1] > 0).sum() > PREFILTER
+
+
+def test_new_sampling_values_compile_nothing(converted):
+    """Temperature, top-k and top-p are traced: after one sampling request, requests with other values
+    (and the same shapes) compile nothing; greedy is the one static switch."""
+    from bastion_jax.engine import Engine
+
+    _, target = converted("qwen3")
+    engine = Engine(target, stop_ids=[-1])
+    engine.generate([[5, 9, 11]], max_new_tokens=4, sampling=SamplingConfig(0.7))
+    n = engine.compilations
+    for cfg in (SamplingConfig(1.3, top_k=5), SamplingConfig(0.9, top_p=0.8), SamplingConfig(2.0, 7, 0.5)):
+        res = engine.generate([[5, 9, 11]], max_new_tokens=4, sampling=cfg)
+        assert res.stats.compilations == 0 and res.stats.compilations_after_warmup == 0
+    assert engine.compilations == n
