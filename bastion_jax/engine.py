@@ -283,8 +283,9 @@ class Engine:
         yield emitted
         held += time.perf_counter() - paused
         lengths = lens.copy()
-        cur = first
+        cur = nxt if policy.kind == "ar" else None  # AR: the next input stays on the device
         holding = False
+        active_dev, active_was = None, None  # the rows' active mask on the device, sent again only when it changes
         if policy.uses_tree and gate is not None:
             gate.observe_tree(np.asarray(curve).mean(axis=0))
         compiled_before_loop = compile_counter.compilations()
@@ -292,15 +293,17 @@ class Engine:
             rng, sub = jax.random.split(rng)
             sub = params.replace(key=sub)
             active = ~rows.done
+            if active_was is None or not np.array_equal(active, active_was):
+                active_dev, active_was = jax.device_put(active), active
+            # One device->host read per step (`jax.device_get` of everything the host needs at once).
             if policy.kind == "ar":
-                nxt, tcache = step(self.target.state, tcache, jax.device_put(cur), jax.device_put(lengths), sub,
-                                   jax.device_put(active))
-                cur = np.asarray(nxt)
-                new = [[cur[i]] for i in range(batch)]
+                cur, tcache = step(self.target.state, tcache, cur, jax.device_put(lengths), sub, active_dev)
+                toks = jax.device_get(cur)
+                new = [[toks[i]] for i in range(batch)]
                 counts = np.ones(batch, np.int64)
             elif policy.kind == "dflash":
-                state, out = step(self.target.state, dstate, state, jax.device_put(active), sub)
-                toks, counts = np.asarray(out.tokens), np.asarray(out.count)
+                state, out = step(self.target.state, dstate, state, active_dev, sub)
+                toks, counts = jax.device_get((out.tokens, out.count))
                 new = [toks[i, : counts[i]] for i in range(batch)]
             else:
                 context = int(lengths[active].max())
@@ -313,15 +316,15 @@ class Engine:
                     then = gate.root_then(context)
                     b, variant = 0, (AR_DRAFT if then == DRAFT else AR)
                     ts = time.perf_counter()
-                    state, out, new_curve = roots[then](self.target.state, dstate, state, jax.device_put(active), sub)
+                    state, out, new_curve = roots[then](self.target.state, dstate, state, active_dev, sub)
                     controller.histogram[0] += 1
                 else:
                     probs = np.exp(np.asarray(state.tree.log_probs)) if policy.kind == "bastion-paper" else None
                     b = variant = controller.choose(a * (gate.rho if gate else 1.0), context, active, probs)
                     then = DRAFT
                     ts = time.perf_counter()
-                    state, out, new_curve = steps[b](self.target.state, dstate, state, jax.device_put(active), sub)
-                toks, counts = np.asarray(out.tokens), np.asarray(out.count)
+                    state, out, new_curve = steps[b](self.target.state, dstate, state, active_dev, sub)
+                toks, counts, new_curve = jax.device_get((out.tokens, out.count, new_curve))
                 elapsed = time.perf_counter() - ts
                 if then == DRAFT:  # tree steps that hold and flushes are not calibrated variants
                     latency.observe(variant, context, elapsed)
@@ -333,7 +336,7 @@ class Engine:
                                             float(counts[active].mean() - 1))
                     gate.record(then, int(counts[active].max()))
                     if then == DRAFT:
-                        gate.observe_tree(np.asarray(new_curve)[active].mean(axis=0))
+                        gate.observe_tree(new_curve[active].mean(axis=0))
                 holding = then != DRAFT
                 curve = new_curve
                 new = [toks[i, : counts[i]] for i in range(batch)]
