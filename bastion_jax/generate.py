@@ -162,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         if policy.kind == "fixed" and not args.buckets:
             buckets = tuple(sorted(set(buckets) | {policy.size}))
         draft_vocab = resolve_draft_vocab(target, drafter, args.draft_vocab)
-        if draft_vocab is not None:
+        if draft_vocab is not None and policy.kind == "dflash":
+            log("draft vocabulary: the full vocabulary (--mode dflash drafts over every token; --draft-vocab "
+                "applies to the tree modes)")
+        elif draft_vocab is not None:
             log(f"draft vocabulary: the {draft_vocab.ids.shape[0]} most frequent tokens (--draft-vocab full: all)")
         engine = Engine(target, tokenizer, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
                         draft_vocab=draft_vocab)
