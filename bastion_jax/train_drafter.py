@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "master weights, norms and softmax stay float32) or float32 throughout")
     t.add_argument("--no-feature-cache", action="store_true", help="recompute target features every step "
                    "instead of keeping them under OUT/features (for data seen only once)")
+    t.add_argument("--reuse-features", nargs="+", default=[], metavar="DIR",
+                   help="other runs' features/ directories: rows whose target features are stored there (same "
+                   "target, taps and tokens) are copied instead of recomputed")
     t.add_argument("--init-from-target", action="store_true", help="initialise the drafter's layers from the "
                    "target's last layers (its fc stays random)")
     e = sub.add_parser("eval", parents=[common], help="acceptance report: tau per mode and prompt set, AR "
@@ -164,7 +167,8 @@ def run_train(args, target, log) -> None:
     import jax.numpy as jnp
 
     from bastion_jax.checkpoints import load_drafter, random_drafter
-    from bastion_jax.training import TokenDataset, TrainConfig, Trainer, init_from_target, save_ranking
+    from bastion_jax.training import (TokenDataset, TrainConfig, Trainer, init_from_target, load_ranking,
+                                      save_ranking)
     from bastion_jax.checkpoints.dflash import export_zlab
 
     if args.init and args.init_from_target:
@@ -192,7 +196,9 @@ def run_train(args, target, log) -> None:
         f"{cfg.draft_vocab or 'full'} | matmuls: {cfg.matmul_dtype}")
     out = Path(args.out)
     t0 = time.perf_counter()
-    trainer = Trainer(target, drafter, cfg, out, log=log)
+    ranking = load_ranking(Path(args.init)) if args.init else None  # keep the loss vocabulary it was trained on
+    trainer = Trainer(target, drafter, cfg, out, log=log, ranking=ranking,
+                      reuse_features=tuple(Path(p) for p in args.reuse_features))
     trained = trainer.fit(train, val if len(val) else None, progress=not args.quiet)
     export = export_zlab(d, trained.state, out / "drafter", getattr(jnp, args.export_dtype))
     save_ranking(export, trainer.ranking)  # what generate --draft-vocab reads beside config.json

@@ -105,7 +105,8 @@ def test_feature_store_computes_once_and_resumes(target, tmp_path):
     dim = len(taps) * target.config.hidden_size
     want = np.asarray(compute(tokens)).astype(ml_dtypes.bfloat16)  # [5, 12, F]
     calls.clear()
-    store = FeatureStore(tokens, dim, compute, tmp_path, "train", "k1")
+    k1, k2 = {"taps": taps, "target": "a"}, {"taps": taps, "target": "b"}
+    store = FeatureStore(tokens, dim, compute, tmp_path, "train", k1)
     got = store.get(np.array([3, 1]))
     np.testing.assert_array_equal(np.asarray(got), want[[3, 1]])
     assert calls == [2] and store.cached == 2
@@ -115,12 +116,24 @@ def test_feature_store_computes_once_and_resumes(target, tmp_path):
     assert calls == [2, 2] and store.cached == 3
     store.flush()
 
-    again = FeatureStore(tokens, dim, compute, tmp_path, "train", "k1")  # a resumed run
+    again = FeatureStore(tokens, dim, compute, tmp_path, "train", k1)  # a resumed run
     np.testing.assert_array_equal(np.asarray(again.get(np.array([0, 1, 3]))), want[[0, 1, 3]])
-    assert calls == [2, 2] and again.cached == 3
-    other = FeatureStore(tokens, dim, compute, tmp_path, "train", "k2")  # other data or target: stale file dropped
-    assert other.cached == 0 and not list(tmp_path.glob("train-k1*"))
-    uncached = FeatureStore(tokens, dim, compute, None, "train", "k1")
+    assert calls == [2, 2] and again.cached == 3 and again.reused == 0
+
+    # A grown, reshuffled data set in a new run dir: stored rows are copied by content, new ones computed.
+    extra = rng.integers(0, target.config.vocab_size, (2, 12)).astype(np.int32)
+    grown = np.concatenate([extra[:1], tokens[[4, 3, 2, 1, 0]], extra[1:]])  # [7, 12]
+    want_grown = np.asarray(compute(grown)).astype(ml_dtypes.bfloat16)
+    calls.clear()
+    reused = FeatureStore(grown, dim, compute, tmp_path / "run2", "train", k1, reuse=[tmp_path])
+    assert reused.reused == 3 and reused.cached == 3 and calls == []  # rows 3, 1 and 0 of `tokens`
+    np.testing.assert_array_equal(np.asarray(reused.get(np.arange(7))), want_grown)
+    assert calls == [7] and reused.cached == 7  # one batch computed the 4 missing rows
+    calls[:] = [2, 2]
+
+    other = FeatureStore(tokens, dim, compute, tmp_path, "train", k2)  # other target: nothing reused, stale dropped
+    assert other.cached == 0 and other.reused == 0 and len(list(tmp_path.glob("train-*.bin"))) == 1
+    uncached = FeatureStore(tokens, dim, compute, None, "train", k1)
     uncached.get(np.array([0]))
     uncached.get(np.array([0]))
     assert calls == [2, 2, 1, 1]

@@ -35,7 +35,7 @@ from flax import nnx
 
 from bastion_jax.checkpoints import LoadedDrafter, Target
 from bastion_jax.training.data import TokenDataset, batch_indices
-from bastion_jax.training.features import FeatureStore, fingerprint, target_fingerprint
+from bastion_jax.training.features import FeatureStore, target_fingerprint
 from bastion_jax.training.forward import drafter_blocks, matmul, target_features
 from bastion_jax.training.objective import (Blocks, Metrics, Objective, block_loss, default_gamma, make_blocks,
                                             restrict_vocab, sample_anchors)
@@ -147,7 +147,8 @@ class Trainer:
     `workdir/checkpoints` holds the latest steps (params + optimizer state); `workdir/metrics.jsonl`
     logs training and validation metrics and throughput; `workdir/vocab_ranking.npy` the token ranking
     (made from the first run's training responses, unless `ranking` is given, and kept on resume);
-    `workdir/features` the cached target features.
+    `workdir/features` the cached target features (rows already computed under `reuse_features`,
+    other runs' `features/` directories, are copied instead of recomputed).
     """
 
     target: Target
@@ -156,6 +157,7 @@ class Trainer:
     workdir: Path
     log: Callable[[str], None] = print
     ranking: np.ndarray | None = None
+    reuse_features: tuple[Path, ...] = ()
 
     def __post_init__(self):
         self.workdir = Path(self.workdir)
@@ -182,9 +184,10 @@ class Trainer:
         """Target features of `data`'s rows: cached under workdir/features, or computed on every use."""
         taps = tuple(self.drafter.config.target_layer_ids)
         compute = partial(self._compute_features, taps=taps)
-        key = fingerprint(data.tokens, taps=taps, target=target_fingerprint(self.target))
+        keys = dict(taps=taps, target=target_fingerprint(self.target))
         directory = self.workdir / "features" if self.cfg.cache_features else None
-        return FeatureStore(data.tokens, len(taps) * self.target.config.hidden_size, compute, directory, name, key)
+        return FeatureStore(data.tokens, len(taps) * self.target.config.hidden_size, compute, directory, name, keys,
+                            reuse=self.reuse_features)
 
     def _compute_features(self, tokens: np.ndarray, taps: tuple[int, ...]) -> jax.Array:
         return _features(self.target.state, jnp.asarray(tokens), target_def=self.target.graphdef, tap_layers=taps,
@@ -246,6 +249,9 @@ class Trainer:
         mngr = self._manager()
         step, params, opt_state = self._restore(mngr, params, opt_state)
         store, val_store = self.feature_store(train, "train"), val and self.feature_store(val, "val")
+        if store.data is not None:
+            self.log(f"target features: {store.cached}/{len(train)} training rows stored "
+                     f"({store.reused} copied from earlier runs on creation)")
         key = jax.random.key(self.cfg.seed)
         indices = batch_indices(len(train), self.cfg.batch_size, self.cfg.seed, start_step=step)
         history: list[Metrics] = []
