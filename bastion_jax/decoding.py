@@ -27,7 +27,7 @@ def prefill_target(target, cache: KVCache, tokens: jax.Array, lengths: jax.Array
     b, t = tokens.shape
     zero = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = target(tokens, positions, cache, zero, causal_mask(zero, t, cache.max_len),
+    out = target(tokens, positions, cache, zero, causal_mask(b, t),
                  tap_layers=tap_layers, logits_index=(lengths - 1)[:, None])
     features = out.taps if out.taps is not None else jnp.zeros((b, t, 1), jnp.float32)
     return sample(out.logits[:, 0], key, greedy), out.cache, features
@@ -47,6 +47,17 @@ def decode(cfg: StepConfig, state: nnx.State, cache: KVCache, tokens: jax.Array,
     """One token per row: tokens [batch] written at slot/position lengths[b] (not for rows with
     `active[b]` False: finished rows of a batch). Returns (next, cache)."""
     model = nnx.merge(cfg.target_def, state)
-    out = model(tokens[:, None], lengths[:, None], cache, lengths, causal_mask(lengths, 1, cache.max_len),
+    out = model(tokens[:, None], lengths[:, None], cache, lengths, causal_mask(tokens.shape[0], 1),
                 active=active)
     return sample(out.logits[:, 0], key, cfg.greedy), out.cache
+
+
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def forward(cfg: StepConfig, state: nnx.State, cache: KVCache, tokens: jax.Array, lengths: jax.Array):
+    """A plain causal forward of tokens [batch, t] at slots lengths[b] + i (no taps): the greedy token
+    after each position [batch, t], and the cache. The profiler's yardstick for a tree verify of the
+    same t tokens (which adds the tree mask, the taps and the accept walk)."""
+    model = nnx.merge(cfg.target_def, state)
+    b, t = tokens.shape
+    out = model(tokens, lengths[:, None] + jnp.arange(t)[None], cache, lengths, causal_mask(b, t))
+    return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache

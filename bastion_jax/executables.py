@@ -44,6 +44,7 @@ class Executables:
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.buckets, self.top_k, self.draft_vocab = buckets, top_k, draft_vocab
         self._table: dict[tuple, Any] = {}
+        self._step_args: dict[tuple, tuple] = {}  # abstract tree-step arguments per shape
         self.compilations = 0  # compilations done so far (a cached shape adds none)
 
     # -- buffers ---------------------------------------------------------------------------------
@@ -99,6 +100,14 @@ class Executables:
                              (cfg, self.target.state, tcache, rows, rows, rng, jax.ShapeDtypeStruct((batch,), bool)))
         return prefill, step
 
+    def forward(self, batch: int, cache_len: int, t: int):
+        """The plain t-token causal forward (`decoding.forward`): the profiler's yardstick for verify(t)."""
+        cfg = self.config()
+        rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
+        return self.compiled(decoding.forward, ("forward", cfg, batch, cache_len, t),
+                             (cfg, self.target.state, tcache, jax.ShapeDtypeStruct((batch, t), jnp.int32), rows))
+
     def _prefill_args(self, cfg: StepConfig, batch: int, bucket: int, cache_len: int) -> tuple:
         i32 = jnp.int32
         dstate = self.drafter.state if self.drafter else None
@@ -118,10 +127,15 @@ class Executables:
         return prefill, step
 
     def _tree_step_args(self, cfg: StepConfig, batch: int, cache_len: int) -> tuple:
-        args = self._prefill_args(cfg, batch, 16, cache_len)
-        state = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(cfg, *a)[0], *args[1:])
-        return (cfg, self.target.state, args[2], state, jax.ShapeDtypeStruct((batch,), bool), args[7],
-                self.draft_vocab)
+        """Abstract arguments of a tree/root step; traced once per shape (tracing a prefill costs ~30 ms
+        per request on CPU otherwise)."""
+        key = (cfg, batch, cache_len, self._n_draft)
+        if key not in self._step_args:
+            args = self._prefill_args(cfg, batch, 16, cache_len)
+            state = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(cfg, *a)[0], *args[1:])
+            self._step_args[key] = (cfg, self.target.state, args[2], state, jax.ShapeDtypeStruct((batch,), bool),
+                                    args[7], self.draft_vocab)
+        return self._step_args[key]
 
     def tree(self, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig, step_buckets: Sequence[int]):
         """(prefill, {bucket: step}) of the tree policies. The callables bind the draft vocabulary; a

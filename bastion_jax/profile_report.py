@@ -29,12 +29,12 @@ def markdown(title: str, meta: dict, prof: Profile) -> str:
              f"{meta['datasheet']['flops'] / 1e12:.1f} TFLOP/s.", "",
              f"Calibrated model error (RMSE / mean step): {100 * prof.calibration_error:.2f}%. "
              f"Compilations during timing: {prof.compilations_during_timing}. Compile time {prof.compile_s:.1f}s.", "",
-             "| bucket | context | step ms | device ms | verify ms | draft ms | host ms | host % | roofline ms "
-             "| calibrated ms | error % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| bucket | context | step ms | device ms | verify ms | plain forward ms | verify / forward | draft ms "
+             "| host ms | host % | roofline ms | calibrated ms | error % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in prof.points:
         lines.append(f"| {p.bucket} | {p.context} | {_ms(p.step_s)} | {_ms(p.device_s)} | {_ms(p.verify_s)} | "
-                     f"{_ms(p.draft_s)} | {_ms(p.host_s)} | {100 * p.host_s / p.loop_s:.1f} | {_ms(p.roofline_s)} | "
+                     f"{_ms(p.forward_s)} | {p.verify_s / p.forward_s:.2f} | {_ms(p.draft_s)} | {_ms(p.host_s)} | {100 * p.host_s / p.loop_s:.1f} | {_ms(p.roofline_s)} | "
                      f"{_ms(p.calibrated_s)} | {100 * (p.calibrated_s - p.step_s) / p.step_s:+.1f} |")
     lines += ["", "| context | AR step ms |", "|---|---|"]
     lines += [f"| {c} | {_ms(t)} |" for c, t in prof.ar_step_s.items()]

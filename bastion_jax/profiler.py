@@ -4,6 +4,7 @@ and context c (the committed length the step starts from):
   step     the engine's compiled tree step, dispatched and synchronised (what T_hat(b, c) predicts)
   device   the same step dispatched back to back and synchronised once: device time per step
   verify   the target forward over the b-node tree at c (tree mask, taps) + argmax at every node
+  forward  a plain causal forward of b tokens at c (no tree mask, no taps): verify's yardstick
   draft    the drafter's block forward + tree build (depends on c only)
   host     one iteration of the engine's decode loop (controller choice, dispatch, device->host
            reads, online calibration) minus device time: what the host adds per step
@@ -37,6 +38,7 @@ class Point:
     step_s: float  # full tree step, synchronised
     device_s: float  # full tree step, back-to-back dispatch (device time)
     verify_s: float  # target forward over the tree + argmax
+    forward_s: float  # a plain causal forward of as many tokens (no tree, no taps): verify's yardstick
     draft_s: float  # drafter block + tree build (per context)
     loop_s: float  # one iteration of the engine's host loop
     host_s: float  # loop_s - device_s
@@ -98,6 +100,8 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
     prefill, steps = exe.tree(1, 16, cache_len, sampling, buckets)
     roots = exe.roots(1, cache_len, sampling) if engine.drafter is not None else {}
     verify, draft = exe.tree_parts(1, cache_len, buckets)
+    plain = {b: exe.forward(1, cache_len, b) for b in buckets}
+    plain_tokens = {b: jax.device_put(np.zeros((1, b), np.int32)) for b in buckets}
     _, ar_step = exe.ar(1, 16, cache_len, sampling)
     compile_s = time.perf_counter() - t0
     bar.update()
@@ -164,8 +168,15 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
                 box["state"] = s.replace(target_cache=tcache)
                 jax.block_until_ready(choices)
 
+            def forwarding(fwd=plain[b], b=b):
+                s = box["state"]
+                toks, tcache = fwd(tstate, s.target_cache, plain_tokens[b], length)
+                box["state"] = s.replace(target_cache=tcache)
+                jax.block_until_ready(toks)
+
             step_s = _median_s(full, reps, warmup)
             verify_s = _median_s(verifying, reps, warmup)
+            forward_s = _median_s(forwarding, reps, warmup)
             # Host overhead is a difference of two timings, so both are taken in alternating rounds
             # (a slow spell of the machine hits both) and the median round is kept.
             device_rounds, loop_rounds = [], []
@@ -175,7 +186,7 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
                 loop_rounds.append(_host_loop(step, tstate, dstate, box, controller, loop_latency, b, c, rng, reps, w))
             device_s, loop_s = statistics.median(device_rounds), statistics.median(loop_rounds)
             cells.append(dict(bucket=b, context=c, step_s=step_s, device_s=device_s, verify_s=verify_s,
-                              draft_s=draft_s, loop_s=loop_s, host_s=loop_s - device_s))
+                              forward_s=forward_s, draft_s=draft_s, loop_s=loop_s, host_s=loop_s - device_s))
             bar.update()
         ar_cache, state, curve = box["ar"], box["state"], box["curve"]
     compilations = compile_counter.compilations() - compiled_before

@@ -174,7 +174,7 @@ def spec_step(cfg: StepConfig, target_state, drafter_state, state: SpecState, ac
     length = state.length
     tokens = jnp.concatenate([state.root[:, None], state.drafts], axis=1)  # [b, B]
     positions = length[:, None] + jnp.arange(block_size)[None]
-    out = target(tokens, positions, cache, length, causal_mask(length, block_size, cache.max_len),
+    out = target(tokens, positions, cache, length, causal_mask(tokens.shape[0], block_size),
                  tap_layers=cfg.tap_layers, active=active)
     choices = sample(out.logits, key, cfg.greedy)  # [b, B]: the target's token after each slot
     accepted = accept_chain(state.drafts, choices)  # [b]

@@ -98,7 +98,7 @@ def next_token_probs(target, seq):
     n = len(seq)
     start = jnp.zeros(1, jnp.int32)
     cache = KVCache.create(target.config, 1, n, target.dtype)
-    out = model(jnp.asarray([seq]), jnp.arange(n)[None], cache, start, causal_mask(start, n, n))
+    out = model(jnp.asarray([seq]), jnp.arange(n)[None], cache, start, causal_mask(start.shape[0], n))
     return np.asarray(jax.nn.softmax(out.logits[0, -1]), np.float64)
 
 
@@ -137,7 +137,7 @@ def next_token_logits(target, seqs):
     model = nnx.merge(target.graphdef, target.state)
     start = jnp.zeros(n, jnp.int32)
     cache = KVCache.create(target.config, n, t, target.dtype)
-    out = model(jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), (n, t)), cache, start, causal_mask(start, t, t))
+    out = model(jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), (n, t)), cache, start, causal_mask(start.shape[0], t))
     return np.asarray(out.logits, np.float64)
 
 

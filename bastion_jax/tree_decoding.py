@@ -22,7 +22,7 @@ from bastion_jax.sampling import sample
 from bastion_jax.speculative import DraftVocab, StepOutput, draft_logits, merge_models
 from bastion_jax.step_config import StepConfig
 from bastion_jax.tree import Tree, build_tree, slice_tree, surrogate_curve
-from bastion_jax.verify import compact_cache, tree_attention_mask, walk
+from bastion_jax.verify import compact_cache, walk
 
 HOLD, DRAFT, FLUSH = 0, 1, 2  # what a step does after committing (see `_then`)
 
@@ -120,8 +120,7 @@ def tree_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
     cache = state.target_cache
     tokens = jnp.maximum(tree.tokens, 0)  # padding nodes (-1) embed token 0; they can never be accepted
     positions = length[:, None] + tree.depths  # [b, n]
-    mask = tree_attention_mask(length, tree.ancestors, cache.max_len)
-    out = target(tokens, positions, cache, length, mask, tap_layers=cfg.tap_layers, active=active)
+    out = target(tokens, positions, cache, length, tree.ancestors, tap_layers=cfg.tap_layers, active=active)
     choices = sample(out.logits, key, cfg.greedy)  # [b, n]: the target's token after each node
     depth = cfg.block_size - 1
     path, accepted = jax.vmap(walk, in_axes=(0, 0, 0, None))(tree.tokens, tree.parents, choices, depth)
@@ -154,7 +153,7 @@ def root_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
     root = state.tree.tokens[:, 0]
     length = state.length
     cache = state.target_cache
-    out = target(root[:, None], length[:, None], cache, length, causal_mask(length, 1, cache.max_len),
+    out = target(root[:, None], length[:, None], cache, length, causal_mask(root.shape[0], 1),
                  tap_layers=cfg.tap_layers, active=active)
     choice = sample(out.logits, key, cfg.greedy)[:, 0]  # [b]
     features = (out.taps if out.taps is not None else jnp.zeros((root.shape[0], 1, 1), jnp.float32))  # [b, 1, F]
@@ -180,8 +179,7 @@ def tree_verify(cfg: StepConfig, target_state, target_cache: KVCache, tree: Tree
     target = nnx.merge(cfg.target_def, target_state)
     tree = slice_tree(tree, bucket)
     positions = length[:, None] + tree.depths  # [b, n]
-    mask = tree_attention_mask(length, tree.ancestors, target_cache.max_len)
-    out = target(jnp.maximum(tree.tokens, 0), positions, target_cache, length, mask, tap_layers=cfg.tap_layers)
+    out = target(jnp.maximum(tree.tokens, 0), positions, target_cache, length, tree.ancestors, tap_layers=cfg.tap_layers)
     return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
 
 

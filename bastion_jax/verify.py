@@ -1,4 +1,6 @@
-"""Tree verification pieces: attention mask, the accept walk, and KV/feature compaction."""
+"""Tree verification pieces: the accept walk and KV/feature compaction.
+
+(The tree's attention mask is its ancestor matrix, `Tree.ancestors`: see `modeling/attention.py`.)"""
 
 from __future__ import annotations
 
@@ -6,19 +8,6 @@ import jax
 import jax.numpy as jnp
 
 from bastion_jax.modeling.cache import KVCache, write_rows
-
-
-def tree_attention_mask(start: jax.Array, ancestors: jax.Array, kv_len: int) -> jax.Array:
-    """[b, n, kv_len] visibility for tree nodes written at slots start[b] + i.
-
-    Node i sees every committed slot (< start) and, inside the tree, exactly its ancestors and
-    itself. Padding nodes see the same, but no real node ever sees them.
-    """
-    n = ancestors.shape[-1]
-    rel = jnp.arange(kv_len)[None, :] - start[:, None]  # [b, kv_len] slot offset from the tree start
-    in_tree = (rel >= 0) & (rel < n)
-    tree_vis = jnp.take_along_axis(ancestors, jnp.clip(rel, 0, n - 1)[:, None, :].repeat(n, axis=1), axis=2)
-    return (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_vis)
 
 
 def walk(tokens: jax.Array, parents: jax.Array, choices: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array]:

@@ -97,7 +97,7 @@ def test_compaction_equals_sequential_cache(converted):
     seq = table[:length]
     ref = KVCache.create(target.config, 1, 64, jnp.float32)
     zero = jnp.zeros(1, jnp.int32)
-    ref = model(jnp.asarray(seq[None]), jnp.arange(length)[None], ref, zero, causal_mask(zero, length, 64)).cache
+    ref = model(jnp.asarray(seq[None]), jnp.arange(length)[None], ref, zero, causal_mask(zero.shape[0], length)).cache
     for got, want in zip(state.target_cache.k + state.target_cache.v, ref.k + ref.v):
         np.testing.assert_allclose(np.asarray(got)[0, :length], np.asarray(want)[0, :length], atol=1e-5)
 

@@ -100,7 +100,7 @@ def test_drafter_context_equals_injecting_every_committed_token(pair):
     zero = jnp.zeros(1, jnp.int32)
     cache = KVCache.create(target.config, 1, 128, target.dtype)
     taps = tuple(drafter.config.target_layer_ids)
-    feats = model(jnp.asarray([seq]), jnp.arange(length)[None], cache, zero, causal_mask(zero, length, 128),
+    feats = model(jnp.asarray([seq]), jnp.arange(length)[None], cache, zero, causal_mask(zero.shape[0], length),
                   tap_layers=taps).taps  # [1, length, F]
     d = nnx.merge(drafter.graphdef, drafter.state)
     ref = d.inject(feats, zero, KVCache.create(drafter.config, 1, 128, target.dtype), target.dtype)

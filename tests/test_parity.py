@@ -25,7 +25,7 @@ def ours(target, ids: np.ndarray, cache: KVCache, start: np.ndarray, tap_layers=
     b, t = ids.shape
     start = jnp.asarray(start, jnp.int32)
     positions = start[:, None] + jnp.arange(t)[None]
-    return model(jnp.asarray(ids), positions, cache, start, causal_mask(start, t, cache.max_len),
+    return model(jnp.asarray(ids), positions, cache, start, causal_mask(start.shape[0], t),
                  tap_layers=tap_layers)
 
 

@@ -71,7 +71,7 @@ def test_profile_measurements_cover_every_cell(tiny_run):
     cells = {(p["bucket"], p["context"]) for p in raw["points"]}
     assert cells == {(b, c) for b in BUCKETS for c in CONTEXTS}
     for p in raw["points"]:
-        for k in ("step_s", "device_s", "verify_s", "draft_s", "loop_s", "roofline_s", "calibrated_s"):
+        for k in ("step_s", "device_s", "verify_s", "forward_s", "draft_s", "loop_s", "roofline_s", "calibrated_s"):
             assert finite_positive(p[k]), (k, p)
         assert math.isfinite(p["host_s"])
         assert p["host_s"] == pytest.approx(p["loop_s"] - p["device_s"])
@@ -87,7 +87,7 @@ def test_profile_measurements_cover_every_cell(tiny_run):
 def test_profile_markdown_has_a_row_per_cell(tiny_run):
     out, _, _ = tiny_run
     text = (out / "tiny.md").read_text()
-    rows = [line for line in text.splitlines() if line.startswith("|") and line.count("|") == 12]
+    rows = [line for line in text.splitlines() if line.startswith("|") and line.count("|") == 14]
     body = [r for r in rows if re.match(r"\| \d+ \| \d+ \|", r)]
     assert sorted((int(r.split("|")[1]), int(r.split("|")[2])) for r in body) == sorted(
         (b, c) for b in BUCKETS for c in CONTEXTS)
@@ -226,6 +226,25 @@ def test_perf_8b_writes_its_ratios_at_a_tiny_shape(tmp_path):
     md = (tmp_path / "perf.md").read_text()
     assert "| criterion | value | target | pass |" in md and "not measured" in md
     assert (tmp_path / "perf.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_step_costs_compare_two_cache_lengths(tmp_path):
+    from benchmarks import step_costs
+
+    rc = step_costs.main(TINY[:8] + ["--buckets", "1,4", "--contexts", "16", "--cache-lens", "64,256", "--reps", "1",
+                                     "--warmup", "1", "--tree-top-k", "8", "--out-dir", str(tmp_path), "--name", "sc",
+                                     "--quiet"])
+    assert rc == 0
+    raw = json.loads((tmp_path / "sc.json").read_text())
+    assert set(raw["per_cache"]) == {"64", "256"}
+    for r in raw["per_cache"].values():
+        assert {(c["bucket"], c["context"]) for c in r["cells"]} == {(1, 16), (4, 16)}
+        assert all(finite_positive(c[k]) for c in r["cells"] for k in ("verify_over_forward", "draft_over_ar"))
+        assert r["compilations_during_timing"] == 0
+    assert set(raw["cache_ratio"]) == {"1@16", "4@16", "ar"}
+    assert all(finite_positive(v["verify"]) for k, v in raw["cache_ratio"].items() if k != "ar")
+    md = (tmp_path / "sc.md").read_text()
+    assert "## cache 256 slots over cache 64 slots" in md and md.count("| 4 | 16 |") == 2
 
 
 def test_install_is_found_by_generate_however_the_paths_are_spelled(tmp_path, monkeypatch, capsys):

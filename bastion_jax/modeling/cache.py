@@ -55,11 +55,8 @@ def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array, active: jax.Arr
     return jax.vmap(one)(buf, new, start, active)
 
 
-def causal_mask(start: jax.Array, q_len: int, kv_len: int) -> jax.Array:
-    """Visibility `[batch, q_len, kv_len]` for queries written at slots `start[b] + i`.
+def causal_mask(batch: int, t: int) -> jax.Array:
+    """Visibility `[batch, t, t]` among t new tokens written in order: token i sees tokens <= i.
 
-    Query i of row b sees every committed slot `< start[b]` and the new slots up to itself.
-    """
-    slots = jnp.arange(kv_len)[None, None, :]  # [1, 1, kv_len]
-    last_visible = start[:, None, None] + jnp.arange(q_len)[None, :, None]  # [b, q_len, 1]
-    return slots <= last_visible
+    (Committed slots, those before the first new one, are always visible; see `Transformer`.)"""
+    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))

@@ -7,7 +7,9 @@ Context ("KV injection"): the tapped target features of committed tokens are pro
 (`fc` -> `hidden_norm`) and every layer turns them into extra keys/values with its own
 `k_proj`/`v_proj`/`k_norm` (with their biases when `attention_bias`). Those context K/V are kept
 in a preallocated cache by absolute position; the block's own K/V are transient. The block
-`[root, MASK x (B-1)]` attends bidirectionally to itself and to every committed context position.
+`[root, MASK x (B-1)]` attends bidirectionally to itself and to every committed context position:
+the cached context (read up to its live length, never concatenated) and the context written by
+this very call, merged exactly (`attention.attend_split`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from flax import nnx
 
 from bastion_jax.dflash_config import DrafterConfig
 from bastion_jax.modeling.cache import KVCache, write_rows
-from bastion_jax.modeling.layers import MLP, Linear, RMSNorm, apply_rope, attend, rope_cos_sin, rope_inv_freq
+from bastion_jax.modeling.attention import attend, attend_split
+from bastion_jax.modeling.layers import MLP, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 class DrafterAttention(nnx.Module):
@@ -44,17 +47,21 @@ class DrafterAttention(nnx.Module):
         return self._kv(x_ctx, *rope_ctx)
 
     def __call__(self, u: jax.Array, rope_blk: tuple[jax.Array, jax.Array], ctx_k: jax.Array, ctx_v: jax.Array,
-                 mask: jax.Array) -> jax.Array:
+                 mask: jax.Array, cached: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
         """u: [b, T, h] normed block tokens; ctx_k/ctx_v: [b, S, kv_heads, d] context K/V;
         mask: [b, T, S + T] over [context | block] keys. Inference passes one block (T = B, the
-        block part all-visible); training passes many blocks at once with a block-diagonal part."""
+        block part all-visible) and `cached` = (k_cache, v_cache [b, max_len, kv_heads, d], length [b]):
+        older context, every slot < length visible; training passes many blocks at once with a
+        block-diagonal part and no cache."""
         b, t, _ = u.shape
         hq, _, d = self.heads
         q = apply_rope(self.q_norm(self.q_proj(u).reshape(b, t, hq, d)), *rope_blk)  # [b, T, q_heads, d]
         k_blk, v_blk = self._kv(u, *rope_blk)  # [b, T, kv_heads, d]
         keys = jnp.concatenate([ctx_k.astype(q.dtype), k_blk], axis=1)  # [b, S + T, kv_heads, d]
         vals = jnp.concatenate([ctx_v.astype(q.dtype), v_blk], axis=1)
-        return self.o_proj(attend(q, keys, vals, mask))
+        if cached is None:
+            return self.o_proj(attend(q, keys, vals, mask))
+        return self.o_proj(attend_split(q, *cached[:2], cached[2], keys, vals, mask))
 
 
 class DrafterLayer(nnx.Module):
@@ -64,8 +71,8 @@ class DrafterLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, dtype=dtype, rngs=rngs)
 
-    def __call__(self, h, rope_blk, ctx_k, ctx_v, mask):
-        h = h + self.self_attn(self.input_layernorm(h), rope_blk, ctx_k, ctx_v, mask)
+    def __call__(self, h, rope_blk, ctx_k, ctx_v, mask, cached=None):
+        h = h + self.self_attn(self.input_layernorm(h), rope_blk, ctx_k, ctx_v, mask, cached)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -96,18 +103,16 @@ class Drafter(nnx.Module):
         rope_blk = rope_cos_sin(inv_freq, s[:, None] + jnp.arange(block)[None], dtype)
         rope_ctx = rope_cos_sin(inv_freq, ctx_start[:, None] + jnp.arange(c)[None], dtype)
         x_ctx = self.project(ctx_features.astype(dtype))  # [b, C, h]
-        ctx_visible = jnp.arange(cache.max_len)[None, :] < s[:, None]  # [b, S]
-        mask = jnp.concatenate([jnp.broadcast_to(ctx_visible[:, None, :], (b, block, cache.max_len)),
-                                jnp.ones((b, block, block), bool)], axis=-1)  # [b, B, S + B]
+        new_visible = jnp.arange(c)[None, :] < ctx_len[:, None]  # [b, C]: the real new context rows
+        mask = jnp.concatenate([jnp.broadcast_to(new_visible[:, None, :], (b, block, c)),
+                                jnp.ones((b, block, block), bool)], axis=-1)  # [b, B, C + B]
         h = block_emb
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.self_attn.context_kv(x_ctx, rope_ctx)  # [b, C, kv_heads, d]
-            k_buf = write_rows(cache.k[i], k_ctx, ctx_start, active)
-            v_buf = write_rows(cache.v[i], v_ctx, ctx_start, active)
-            h = layer(h, rope_blk, k_buf, v_buf, mask)
-            ks.append(k_buf)
-            vs.append(v_buf)
+            h = layer(h, rope_blk, k_ctx, v_ctx, mask, (cache.k[i], cache.v[i], ctx_start))  # cache < ctx_start
+            ks.append(write_rows(cache.k[i], k_ctx, ctx_start, active))
+            vs.append(write_rows(cache.v[i], v_ctx, ctx_start, active))
         return self.norm(h), KVCache(k=tuple(ks), v=tuple(vs))
 
     def inject(self, ctx_features: jax.Array, ctx_start: jax.Array, cache: KVCache, dtype: jnp.dtype,

@@ -119,21 +119,3 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-
-
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention; the single place a fused kernel would plug in.
-
-    q: [batch, q_len, q_heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim];
-    mask: [batch, q_len, kv_len] bool (True = visible). Returns [batch, q_len, q_heads * head_dim].
-    Every query must see at least one key (it always sees itself in our uses).
-    """
-    b, t, hq, d = q.shape
-    hkv = k.shape[2]
-    q = q.reshape(b, t, hkv, hq // hkv, d)  # [b, t, kv_heads, groups, d]
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (d ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [b, kv_heads, groups, t, s]
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, hq * d)

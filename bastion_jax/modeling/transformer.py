@@ -13,10 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bastion_jax.config import TargetConfig
+from bastion_jax.modeling.attention import attend_split
 from bastion_jax.modeling.cache import KVCache, write_rows
-from bastion_jax.modeling.layers import (
-    MLP, Embedding, Linear, RMSNorm, apply_rope, attend, rope_cos_sin, rope_inv_freq,
-)
+from bastion_jax.modeling.layers import MLP, Embedding, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 class Attention(nnx.Module):
@@ -44,9 +43,9 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend_split(q, k_buf, v_buf, start, k, v, mask)  # committed slots < start, then the new t
         k_buf = write_rows(k_buf, k, start, active)  # [b, max_len, kv_heads, d]
         v_buf = write_rows(v_buf, v, start, active)
-        out = attend(q, k_buf.astype(q.dtype), v_buf.astype(q.dtype), mask)
         return self.o_proj(out), k_buf, v_buf
 
 
@@ -96,7 +95,8 @@ class Transformer(nnx.Module):
                  mask: jax.Array, *, tap_layers: Sequence[int] = (),
                  logits_index: jax.Array | None = None, active: jax.Array | None = None) -> ForwardOutput:
         """Run `tokens` `[batch, t]` at RoPE `positions` `[batch, t]`, writing K/V at slots
-        `start[b] + i` and attending with `mask` `[batch, t, max_len]`.
+        `start[b] + i`. Each token attends to every committed slot `< start[b]` and to the new
+        tokens that `mask` `[batch, t, t]` shows it (causal, or a tree's ancestors).
 
         `logits_index` `[batch, n]` picks which of the t positions get logits (prefill only needs
         the last real one); None means all. `tap_layers` returns the outputs of those decoder

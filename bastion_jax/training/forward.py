@@ -70,7 +70,7 @@ def target_features(target, tokens: jax.Array, tap_layers: tuple[int, ...], cach
     start = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
     cache = KVCache.create(target.config, b, s, cache_dtype)
-    out = target(tokens, positions, cache, start, causal_mask(start, s, s), tap_layers=tap_layers,
+    out = target(tokens, positions, cache, start, causal_mask(start.shape[0], s), tap_layers=tap_layers,
                  logits_index=jnp.zeros((b, 1), jnp.int32))
     return jax.lax.stop_gradient(out.taps)
 

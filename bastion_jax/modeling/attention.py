@@ -1,0 +1,146 @@
+"""Attention whose cost follows the live context, not the size of the preallocated cache.
+
+A decoding step's queries (one AR token, a chain block, a tree of n nodes, a drafter block) see two
+kinds of keys: the committed prefix, cache slots `< length[b]`, all visible; and the step's own new
+keys, visible through a small `[t, t]` mask (causal, or the tree's ancestor mask). `attend_split`
+attends to the two separately and merges them exactly with their log-sum-exps:
+
+- the prefix is read in chunks of `chunk` slots by a loop that stops after the last live slot of
+  the batch (`ceil(max(length) / chunk)` trips), so a step at context 256 costs the same with a
+  2,048-slot or a 16,384-slot cache; on GPU this loop is where a flash-decoding kernel plugs in;
+- the new part is a dense `[t, t]` block when small, and the same chunked loop over its keys when
+  long (a prompt's prefill), so no `[t, t]` score matrix of a long prompt is ever materialised.
+
+Scores, running maxima and sums are float32; probabilities meet the values in the values' dtype
+with float32 accumulation. `attend` is the dense reference (one softmax over a full mask), used
+by training and by the tests that check the split against it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = jnp.finfo(jnp.float32).min
+PREFIX_CHUNK = 256  # cache slots per trip of the prefix loop
+NEW_CHUNK = 512  # new keys per trip once a step has more than this many (long prefills)
+
+
+class Partial(NamedTuple):
+    """Softmax attention over a subset of the keys, not yet normalised (flash-attention state)."""
+
+    m: jax.Array  # [b, kv_heads, groups, t] running max of the scores (NEG_INF: no key seen yet)
+    l: jax.Array  # [b, kv_heads, groups, t] sum of exp(score - m)
+    acc: jax.Array  # [b, kv_heads, groups, t, d] sum of exp(score - m) * value, float32
+
+
+def _group(q: jax.Array, kv_heads: int) -> jax.Array:
+    b, t, hq, d = q.shape
+    return q.reshape(b, t, kv_heads, hq // kv_heads, d)  # [b, t, kv_heads, groups, d]
+
+
+def empty(q: jax.Array, kv_heads: int) -> Partial:
+    b, t, hq, d = q.shape
+    stats = jnp.full((b, kv_heads, hq // kv_heads, t), NEG_INF, jnp.float32)
+    return Partial(stats, jnp.zeros_like(stats), jnp.zeros((b, kv_heads, hq // kv_heads, t, d), jnp.float32))
+
+
+def update(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> Partial:
+    """Fold keys k, v [b, s, kv_heads, d] into `part`; visible: [b, t or 1, s] bool.
+
+    qg: [b, t, kv_heads, groups, d] grouped queries."""
+    d = qg.shape[-1]
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(qg.dtype), preferred_element_type=jnp.float32)
+    scores = scores * (d ** -0.5)  # [b, kv_heads, groups, t, s]
+    vis = visible[:, None, None]  # [b, 1, 1, t, s]
+    scores = jnp.where(vis, scores, NEG_INF)
+    m = jnp.maximum(part.m, scores.max(axis=-1))
+    p = jnp.where(vis, jnp.exp(scores - m[..., None]), 0.0)  # [b, kv_heads, groups, t, s]
+    scale = jnp.exp(part.m - m)  # 1 while both are NEG_INF: l and acc are still 0
+    pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return Partial(m, part.l * scale + p.sum(axis=-1), part.acc * scale[..., None] + pv)
+
+
+def chunked(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, n_chunks: jax.Array | int, chunk: int,
+            visible: Callable[[jax.Array, jax.Array], jax.Array]) -> Partial:
+    """Fold keys k, v [b, S, kv_heads, d] in `n_chunks` trips of `chunk` slots (a traced count stops
+    the loop at the live context). visible(slots [chunk], first [1]) -> [b, t or 1, chunk] says which
+    of the chunk's slots each query sees; slots before `first` were folded by the previous trip (the
+    last chunk is shifted back to fit in S, never clamped past it)."""
+    size = k.shape[1]
+    chunk = min(chunk, size)
+
+    def body(i, part):
+        first = i * chunk
+        start = jnp.minimum(first, size - chunk)
+        slots = start + jnp.arange(chunk)  # [chunk]
+        k_c = jax.lax.dynamic_slice_in_dim(k, start, chunk, axis=1)  # [b, chunk, kv_heads, d]
+        v_c = jax.lax.dynamic_slice_in_dim(v, start, chunk, axis=1)
+        return update(part, qg, k_c, v_c, visible(slots, first))
+
+    return jax.lax.fori_loop(0, n_chunks, body, part)
+
+
+def prefix(part: Partial, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array,
+           chunk: int = PREFIX_CHUNK) -> Partial:
+    """Fold the committed prefix: cache slots < length[b] of k_cache, v_cache [b, max_len, kv_heads, d]."""
+    size = k_cache.shape[1]
+    step = min(chunk, size)
+    n_chunks = (jnp.max(length) + step - 1) // step  # trips up to the batch's last live slot
+
+    def visible(slots, first):
+        return ((slots >= first)[None] & (slots[None] < length[:, None]))[:, None, :]  # [b, 1, chunk]
+
+    return chunked(part, qg, k_cache, v_cache, n_chunks, step, visible)
+
+
+def new_keys(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+             chunk: int = NEW_CHUNK) -> Partial:
+    """Fold the step's own keys k, v [b, t_k, kv_heads, d] seen through mask [b, t, t_k]."""
+    size = k.shape[1]
+    if size <= chunk:
+        return update(part, qg, k, v, mask)
+
+    def visible(slots, first):
+        cols = jnp.take(mask, slots, axis=2)  # [b, t, chunk]
+        return cols & (slots >= first)[None, None]
+
+    return chunked(part, qg, k, v, -(-size // chunk), chunk, visible)
+
+
+def finish(part: Partial, dtype: jnp.dtype) -> jax.Array:
+    """Normalise: [b, kv_heads, groups, t, d] -> [b, t, q_heads * d]. Every query has seen a key."""
+    b, hkv, g, t, d = part.acc.shape
+    out = part.acc / part.l[..., None]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hkv * g * d).astype(dtype)
+
+
+def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, k: jax.Array,
+                 v: jax.Array, mask: jax.Array, *, prefix_chunk: int = PREFIX_CHUNK,
+                 new_chunk: int = NEW_CHUNK) -> jax.Array:
+    """Attention of q [b, t, q_heads, d] over the cache prefix (slots < length[b] of k_cache/v_cache
+    [b, max_len, kv_heads, d]) and the new keys k, v [b, t_k, kv_heads, d] through mask [b, t, t_k].
+
+    Returns [b, t, q_heads * d]; equal to `attend` over [prefix | new] up to float rounding."""
+    qg = _group(q, k.shape[2])
+    part = prefix(empty(q, k.shape[2]), qg, k_cache, v_cache, length, prefix_chunk)
+    return finish(new_keys(part, qg, k, v, mask, new_chunk), q.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Dense grouped-query attention over every key with a full mask (the reference; training).
+
+    q: [batch, q_len, q_heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim];
+    mask: [batch, q_len, kv_len] bool (True = visible). Returns [batch, q_len, q_heads * head_dim].
+    Every query must see at least one key (it always sees itself in our uses).
+    """
+    b, t, hq, d = q.shape
+    qg = _group(q, k.shape[2])  # [b, t, kv_heads, groups, d]
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (d ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [b, kv_heads, groups, t, s]
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, hq * d)

@@ -1,0 +1,105 @@
+"""Split attention (live prefix + new part, merged by log-sum-exp) against brute force.
+
+The reference writes the new keys into the cache and runs one dense softmax over every cache slot
+with a mask built slot by slot in NumPy: committed slots visible, stale slots past the live
+length hidden, tree slots visible exactly where a node's ancestor (or itself) sits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bastion_jax.modeling.attention import attend, attend_split
+from bastion_jax.modeling.cache import causal_mask, write_rows
+from bastion_jax.tree import ancestor_mask
+
+
+def random_tree_parents(rng, n: int) -> np.ndarray:
+    """parents[0] = -1; every other node hangs under an earlier one."""
+    return np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)], np.int32)
+
+
+def dense_mask(lengths: np.ndarray, new_mask: np.ndarray, max_len: int) -> np.ndarray:
+    """[b, t, max_len]: slot s visible to query i of row b when s < length, or s = length + j with
+    new_mask[b, i, j]. Built with Python loops, independent of the code under test."""
+    b, t, t_k = new_mask.shape
+    out = np.zeros((b, t, max_len), bool)
+    for r in range(b):
+        for i in range(t):
+            for s in range(max_len):
+                j = s - lengths[r]
+                out[r, i, s] = s < lengths[r] or (0 <= j < t_k and new_mask[r, i, j])
+    return out
+
+
+def check(rng, *, b, max_len, lengths, new_mask, hq=4, hkv=2, d=8, dtype=jnp.float32, tol=2e-5, **chunks):
+    t, t_k = new_mask.shape[1:]
+    q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
+    k_cache = jnp.asarray(rng.normal(size=(b, max_len, hkv, d)) * 3, dtype)  # garbage past the live length too
+    v_cache = jnp.asarray(rng.normal(size=(b, max_len, hkv, d)), dtype)
+    k_new = jnp.asarray(rng.normal(size=(b, t_k, hkv, d)) * 3, dtype)
+    v_new = jnp.asarray(rng.normal(size=(b, t_k, hkv, d)), dtype)
+    length = jnp.asarray(lengths, jnp.int32)
+    got = attend_split(q, k_cache, v_cache, length, k_new, v_new, jnp.asarray(new_mask), **chunks)
+    want = attend(q, write_rows(k_cache, k_new, length), write_rows(v_cache, v_new, length),
+                  jnp.asarray(dense_mask(np.asarray(lengths), new_mask, max_len)))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("max_len,chunk", [(40, 8), (40, 16), (40, 64), (37, 7)])
+def test_tree_attention_matches_dense_mask_over_the_whole_cache(max_len, chunk):
+    """Tree verification: prefix read in chunks (the last chunk shifted back when max_len is not a
+    multiple), tree part through the ancestor matrix."""
+    rng = np.random.default_rng(max_len + chunk)
+    n = 9
+    lengths = np.array([0, 5, 17, max_len - n])  # empty prefix, short, mid, cache full
+    ancestors = np.stack([np.asarray(ancestor_mask(jnp.asarray(random_tree_parents(rng, n)), n)) for _ in lengths])
+    check(rng, b=len(lengths), max_len=max_len, lengths=lengths, new_mask=ancestors, prefix_chunk=chunk)
+
+
+def test_causal_and_drafter_masks_match_dense():
+    rng = np.random.default_rng(0)
+    lengths = np.array([3, 30])
+    check(rng, b=2, max_len=48, lengths=lengths, new_mask=np.asarray(causal_mask(2, 6)), prefix_chunk=8)
+    # The drafter's shape: C new context rows (the first ctx_len real) then a bidirectional block of B.
+    c, block, ctx_len = 5, 4, np.array([2, 5])
+    mask = np.concatenate([np.broadcast_to((np.arange(c)[None] < ctx_len[:, None])[:, None], (2, block, c)),
+                           np.ones((2, block, block), bool)], axis=-1)
+    check(rng, b=2, max_len=48, lengths=lengths, new_mask=mask, prefix_chunk=16)
+
+
+def test_long_new_part_is_folded_in_chunks():
+    """A prefill longer than new_chunk walks its own keys in chunks (the last one shifted back)."""
+    rng = np.random.default_rng(1)
+    t = 45
+    check(rng, b=2, max_len=64, lengths=np.array([0, 11]), new_mask=np.asarray(causal_mask(2, t)), new_chunk=8)
+    check(rng, b=2, max_len=64, lengths=np.array([0, 7]), new_mask=np.asarray(causal_mask(2, 20)),
+          new_chunk=6, prefix_chunk=5)
+
+
+def test_bfloat16_close_to_dense():
+    rng = np.random.default_rng(2)
+    check(rng, b=2, max_len=40, lengths=np.array([4, 25]), new_mask=np.asarray(causal_mask(2, 5)),
+          dtype=jnp.bfloat16, tol=3e-2, prefix_chunk=8)
+
+
+def test_prefix_loop_stops_at_the_live_context():
+    """Slots past max(length) are never read: poisoning them with NaN changes nothing."""
+    rng = np.random.default_rng(3)
+    b, max_len, t, hq, hkv, d = 2, 64, 3, 2, 1, 4
+    q = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.float32)
+    k_cache = jnp.asarray(rng.normal(size=(b, max_len, hkv, d)), jnp.float32)
+    v_cache = jnp.asarray(rng.normal(size=(b, max_len, hkv, d)), jnp.float32)
+    k, v = k_cache[:, :t], v_cache[:, :t]
+    length = jnp.asarray([5, 16], jnp.int32)
+    mask = causal_mask(b, t)
+    clean = attend_split(q, k_cache, v_cache, length, k, v, mask, prefix_chunk=8)
+    poisoned = attend_split(q, k_cache.at[:, 16:].set(jnp.nan), v_cache.at[:, 16:].set(jnp.nan), length, k, v,
+                            mask, prefix_chunk=8)
+    np.testing.assert_array_equal(np.asarray(clean), np.asarray(poisoned))
+    assert np.isfinite(np.asarray(clean)).all()
+    jitted = jax.jit(lambda kc, vc: attend_split(q, kc, vc, length, k, v, mask, prefix_chunk=8))
+    np.testing.assert_allclose(np.asarray(jitted(k_cache, v_cache)), np.asarray(clean), rtol=1e-6, atol=1e-6)
