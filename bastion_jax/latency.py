@@ -31,6 +31,10 @@ DEVICE_PEAKS = {
     "cpu": (2e11, 2e10),
 }
 
+# Bump when the compiled steps' costs change (attention, fusion, compaction...): a calibration
+# measured on older steps would misprice the new ones, so it is part of the calibration key.
+STEPS_VERSION = 2  # 2: attention over the live context only (issue 14)
+
 
 @dataclasses.dataclass(frozen=True)
 class DevicePeaks:
@@ -230,7 +234,7 @@ class LatencyModel:
     # their paths: see `model_identity`), the dtype, the compiled buckets, the tree width and the batch. Only a
     # fresh offline fit is ever saved: online EMA corrections describe one run, not the setting.
     def key(self, model: str, dtype: str, tree_top_k: int) -> str:
-        ident = json.dumps([self.peaks.name, device_kind(), model, dtype, list(self.buckets), int(tree_top_k),
+        ident = json.dumps([STEPS_VERSION, self.peaks.name, device_kind(), model, dtype, list(self.buckets), int(tree_top_k),
                             self.block_size, self.batch, dataclasses.asdict(self.target),
                             self.drafter and dataclasses.asdict(self.drafter)])
         return hashlib.sha1(ident.encode()).hexdigest()[:16]
@@ -239,7 +243,8 @@ class LatencyModel:
         if self.ema:
             raise ValueError("refusing to save a latency model with online (EMA) corrections: only a fresh "
                              "offline calibration is saved")
-        return {"device": self.peaks.name, "device_kind": device_kind(), "model": model, "dtype": dtype,
+        return {"steps_version": STEPS_VERSION, "device": self.peaks.name, "device_kind": device_kind(), "model": model,
+                "dtype": dtype,
                 "buckets": list(self.buckets), "tree_top_k": int(tree_top_k), "batch": self.batch,
                 "key": self.key(model, dtype, tree_top_k), "peaks": dataclasses.asdict(self.peaks),
                 "calibration": {str(b): {"alpha": self.alpha.get(b, 1.0), "beta": self.beta.get(b, 0.0)}

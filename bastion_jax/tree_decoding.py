@@ -130,7 +130,9 @@ def tree_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
     path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)  # [b, depth + 1], root first
     emitted = jnp.where(slots < accepted[:, None], jnp.roll(path_tokens, -1, axis=1), bonus[:, None])
     emitted = jnp.where(slots <= accepted[:, None], emitted, -1)
-    target_cache = compact_cache(out.cache, length, path, active)
+    # Only the first accepted + 1 <= bucket path entries are kept; a root-only tree moves nothing (and
+    # a no-op move of its window makes XLA copy the whole cache).
+    target_cache = out.cache if bucket == 1 else compact_cache(out.cache, length, path[:, :bucket], active)
     features = (jnp.take_along_axis(out.taps, path[:, :, None], axis=1) if out.taps is not None
                 else jnp.zeros((tokens.shape[0], depth + 1, 1), jnp.float32))  # [b, depth + 1, F]
     new_length = jnp.where(active, length + accepted + 1, length)

@@ -110,9 +110,9 @@ class Drafter(nnx.Module):
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.self_attn.context_kv(x_ctx, rope_ctx)  # [b, C, kv_heads, d]
-            h = layer(h, rope_blk, k_ctx, v_ctx, mask, (cache.k[i], cache.v[i], ctx_start))  # cache < ctx_start
-            ks.append(write_rows(cache.k[i], k_ctx, ctx_start, active))
+            ks.append(write_rows(cache.k[i], k_ctx, ctx_start, active))  # written first: see Transformer
             vs.append(write_rows(cache.v[i], v_ctx, ctx_start, active))
+            h = layer(h, rope_blk, k_ctx, v_ctx, mask, (ks[-1], vs[-1], ctx_start))  # cache slots < ctx_start
         return self.norm(h), KVCache(k=tuple(ks), v=tuple(vs))
 
     def inject(self, ctx_features: jax.Array, ctx_start: jax.Array, cache: KVCache, dtype: jnp.dtype,

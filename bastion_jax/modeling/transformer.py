@@ -43,9 +43,11 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend_split(q, k_buf, v_buf, start, k, v, mask)  # committed slots < start, then the new t
+        # Write first, then read slots < start of the written buffer: reading the old buffer inside the
+        # prefix loop and writing it afterwards makes XLA copy the whole cache per layer.
         k_buf = write_rows(k_buf, k, start, active)  # [b, max_len, kv_heads, d]
         v_buf = write_rows(v_buf, v, start, active)
+        out = attend_split(q, k_buf, v_buf, start, k, v, mask)  # committed slots < start, then the new t
         return self.o_proj(out), k_buf, v_buf
 
 
