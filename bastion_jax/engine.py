@@ -289,15 +289,30 @@ class Engine:
         if policy.uses_tree and gate is not None:
             gate.observe_tree(np.asarray(curve).mean(axis=0))
         compiled_before_loop = compile_counter.compilations()
+        queued = None  # AR: the next step's token, dispatched before this step's token was read
         while not rows.done.all():
-            rng, sub = jax.random.split(rng)
-            sub = params.replace(key=sub)
+            if policy.kind != "ar":
+                rng, sub = jax.random.split(rng)
+                sub = params.replace(key=sub)
             active = ~rows.done
             if active_was is None or not np.array_equal(active, active_was):
                 active_dev, active_was = jax.device_put(active), active
             # One device->host read per step (`jax.device_get` of everything the host needs at once).
             if policy.kind == "ar":
-                cur, tcache = step(self.target.state, tcache, cur, jax.device_put(lengths), sub, active_dev)
+                if queued is None:
+                    rng, sub = jax.random.split(rng)
+                    queued, tcache = step(self.target.state, tcache, cur, jax.device_put(lengths),
+                                          params.replace(key=sub), active_dev)
+                cur = queued
+                # Look ahead: dispatch the next step on this one's token (still on the device) before
+                # reading it, so the device works while the host reads, emits and yields. A row that
+                # stops here is computed once more and its token dropped; when every row's budget ends
+                # here nothing more is dispatched.
+                queued = None
+                if not (rows.done | (rows.produced + 1 >= rows.budget)).all():
+                    rng, sub = jax.random.split(rng)
+                    queued, tcache = step(self.target.state, tcache, cur, jax.device_put(lengths + active),
+                                          params.replace(key=sub), active_dev)
                 toks = jax.device_get(cur)
                 new = [[toks[i]] for i in range(batch)]
                 counts = np.ones(batch, np.int64)
