@@ -160,7 +160,7 @@ class Executables:
 
     def tree_parts(self, batch: int, cache_len: int, step_buckets: Sequence[int]):
         """({bucket: tree_verify}, tree_draft): the two halves of a tree step on their own, so the
-        profiler can time them apart (greedy; the draft over the full vocabulary)."""
+        profiler can time them apart (greedy; the draft over the engine's draft vocabulary, bound)."""
         cfg = self.config()
         lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
         args = self._prefill_args(cfg, batch, 16, cache_len)
@@ -170,6 +170,7 @@ class Executables:
                                    (cfg, self.target.state, tcache, tree, lengths), dict(bucket=b))
                   for b in step_buckets}
         features = jax.ShapeDtypeStruct(self.feature_shape(batch), self.feature_dtype)
-        draft = self.compiled(tree_decoding.tree_draft, ("tree_draft", cfg, batch, cache_len),
-                              (cfg, self.target.state, args[2], dcache, features, lengths, lengths, lengths))
-        return verify, draft
+        draft = self.compiled(tree_decoding.tree_draft, ("tree_draft", cfg, batch, cache_len, self._n_draft),
+                              (cfg, self.target.state, args[2], dcache, features, lengths, lengths, lengths,
+                               self.draft_vocab))
+        return verify, Bound(draft, self.draft_vocab)
