@@ -141,9 +141,9 @@ class Engine:
         if self.drafter is not None:
             roots = exe.roots(batch, cache_len, sampling)
             variants[AR], variants[AR_DRAFT] = roots[HOLD], roots[DRAFT]
-        dstate = self.drafter.state if self.drafter else None
+        dstate = exe.drafter_params
         key = sampler(jax.random.PRNGKey(0), sampling)
-        state, _ = prefill(self.target.state, dstate, exe.new_cache(batch, cache_len),
+        state, _ = prefill(exe.target_params, dstate, exe.new_cache(batch, cache_len),
                            exe.new_drafter_cache(batch, cache_len), jnp.zeros((batch, 16), jnp.int32),
                            jnp.ones((batch,), jnp.int32), key)
         inactive = jnp.zeros((batch,), bool)
@@ -153,7 +153,7 @@ class Engine:
                 for r in range(reps + 1):  # the first run of each point is a warm-up
                     state = state.replace(length=jnp.full((batch,), c, jnp.int32))
                     t0 = time.perf_counter()
-                    state, out, _ = step(self.target.state, dstate, state, inactive, key)
+                    state, out, _ = step(exe.target_params, dstate, state, inactive, key)
                     jax.block_until_ready(out.count)
                     if r:
                         samples.append((b, c, time.perf_counter() - t0))
@@ -257,19 +257,19 @@ class Engine:
         # Temperature, top-k and top-p are arrays (made once per request): other values compile nothing.
         params = sampler(sub, sampling)
         tcache = exe.new_cache(batch, cache_len)
-        dstate = self.drafter.state if self.drafter else None
+        dstate = exe.drafter_params
         # Every step writes at most `slack` slots past the committed length and cache_len_for made
         # room for all of them after max_new_tokens, so every row may produce its full budget.
         rows = Rows(batch, max_new_tokens, self.stop_ids)
         prompt_args = (jnp.asarray(padded), jnp.asarray(lens), params)
         if policy.kind == "ar":
-            nxt, tcache = prefill(self.target.state, tcache, *prompt_args)
+            nxt, tcache = prefill(exe.target_params, tcache, *prompt_args)
             first = np.asarray(nxt)
         elif policy.kind == "dflash":
-            state = prefill(self.target.state, dstate, tcache, exe.new_drafter_cache(batch, cache_len), *prompt_args)
+            state = prefill(exe.target_params, dstate, tcache, exe.new_drafter_cache(batch, cache_len), *prompt_args)
             first = np.asarray(state.root)
         else:
-            state, curve = prefill(self.target.state, dstate, tcache, exe.new_drafter_cache(batch, cache_len),
+            state, curve = prefill(exe.target_params, dstate, tcache, exe.new_drafter_cache(batch, cache_len),
                                    *prompt_args)
             first = np.asarray(state.tree.tokens[:, 0])
         stats.ttft_s += time.perf_counter() - t0
@@ -301,7 +301,7 @@ class Engine:
             if policy.kind == "ar":
                 if queued is None:
                     rng, sub = jax.random.split(rng)
-                    queued, tcache = step(self.target.state, tcache, cur, jax.device_put(lengths),
+                    queued, tcache = step(exe.target_params, tcache, cur, jax.device_put(lengths),
                                           params.replace(key=sub), active_dev)
                 cur = queued
                 # Look ahead: dispatch the next step on this one's token (still on the device) before
@@ -311,13 +311,13 @@ class Engine:
                 queued = None
                 if not (rows.done | (rows.produced + 1 >= rows.budget)).all():
                     rng, sub = jax.random.split(rng)
-                    queued, tcache = step(self.target.state, tcache, cur, jax.device_put(lengths + active),
+                    queued, tcache = step(exe.target_params, tcache, cur, jax.device_put(lengths + active),
                                           params.replace(key=sub), active_dev)
                 toks = jax.device_get(cur)
                 new = [[toks[i]] for i in range(batch)]
                 counts = np.ones(batch, np.int64)
             elif policy.kind == "dflash":
-                state, out = step(self.target.state, dstate, state, active_dev, sub)
+                state, out = step(exe.target_params, dstate, state, active_dev, sub)
                 toks, counts = jax.device_get((out.tokens, out.count))
                 new = [toks[i, : counts[i]] for i in range(batch)]
             else:
@@ -331,14 +331,14 @@ class Engine:
                     then = gate.root_then(context)
                     b, variant = 0, (AR_DRAFT if then == DRAFT else AR)
                     ts = time.perf_counter()
-                    state, out, new_curve = roots[then](self.target.state, dstate, state, active_dev, sub)
+                    state, out, new_curve = roots[then](exe.target_params, dstate, state, active_dev, sub)
                     controller.histogram[0] += 1
                 else:
                     probs = np.exp(np.asarray(state.tree.log_probs)) if policy.kind == "bastion-paper" else None
                     b = variant = controller.choose(a * (gate.rho if gate else 1.0), context, active, probs)
                     then = DRAFT
                     ts = time.perf_counter()
-                    state, out, new_curve = steps[b](self.target.state, dstate, state, active_dev, sub)
+                    state, out, new_curve = steps[b](exe.target_params, dstate, state, active_dev, sub)
                 toks, counts, new_curve = jax.device_get((out.tokens, out.count, new_curve))
                 elapsed = time.perf_counter() - ts
                 if then == DRAFT:  # tree steps that hold and flushes are not calibrated variants

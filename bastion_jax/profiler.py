@@ -106,8 +106,7 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
     compile_s = time.perf_counter() - t0
     bar.update()
 
-    tstate = engine.target.state
-    dstate = engine.drafter.state if engine.drafter else None
+    tstate, dstate = exe.target_params, exe.drafter_params
     key = sampler(jax.random.PRNGKey(0), sampling)
     state, curve = prefill(tstate, dstate, exe.new_cache(1, cache_len), exe.new_drafter_cache(1, cache_len),
                            jnp.zeros((1, 16), jnp.int32), jnp.ones((1,), jnp.int32), key)

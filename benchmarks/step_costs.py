@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.prog = "python -m benchmarks.step_costs"
     p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("--cache-lens", default="2048,16384", help="KV cache lengths to compare (default 2048,16384)")
+    p.add_argument("--cache-lens", default="1024,8192",
+                   help="KV cache lengths to compare (default 1024,8192: 8x apart, within SmolLM2's 8192 positions)")
     p.set_defaults(out_dir=str(RESULTS), buckets="1,4,16,64", contexts="256", peaks="datasheet", no_plot=True)
     return p
 

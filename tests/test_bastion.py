@@ -85,9 +85,9 @@ def test_compaction_equals_sequential_cache(converted):
     tcache = engine.executables.new_cache(1, 64)
     padded = np.zeros((1, 16), np.int32)
     padded[0, : len(PROMPT)] = PROMPT
-    state, _ = prefill(target.state, None, tcache, KVCache(k=(), v=()), jnp.asarray(padded),
+    state, _ = prefill(engine.executables.target_params, None, tcache, KVCache(k=(), v=()), jnp.asarray(padded),
                        jnp.array([len(PROMPT)]), sampler(jax.random.PRNGKey(0), SamplingConfig()))
-    state, out, _ = steps[16](target.state, None, state, jnp.array([True]),
+    state, out, _ = steps[16](engine.executables.target_params, None, state, jnp.array([True]),
                               sampler(jax.random.PRNGKey(1), SamplingConfig()))
     length = int(state.length[0])
     # Root + >= 2 accepted second-choice drafts: they sat at scattered node slots, so the
