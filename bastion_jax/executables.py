@@ -49,7 +49,8 @@ class Executables:
         self.target_params = nnx.to_pure_dict(target.state)
         self.drafter_params = nnx.to_pure_dict(drafter.state) if drafter is not None else None
         self._table: dict[tuple, Any] = {}
-        self._step_args: dict[tuple, tuple] = {}  # abstract tree-step arguments per shape
+        self._step_args: dict[tuple, tuple] = {}
+        self._configs: dict[bool, StepConfig] = {}  # abstract tree-step arguments per shape
         self.compilations = 0  # compilations done so far (a cached shape adds none)
 
     # -- buffers ---------------------------------------------------------------------------------
@@ -83,9 +84,14 @@ class Executables:
         return exe
 
     def config(self, sampling: SamplingConfig = SamplingConfig()) -> StepConfig:
-        """The static part of every step for this pair, with `sampling`."""
-        return StepConfig.of(self.target, self.drafter, sampling=sampling, buckets=self.buckets, top_k=self.top_k,
-                             proposal=self.proposal, block_size=self.block_size, mask_token_id=self.mask_token_id)
+        """The static part of every step for this pair, with `sampling` (one object per greedy / not, so
+        table lookups hit by identity instead of comparing graph definitions)."""
+        cfg = self._configs.get(sampling.greedy)
+        if cfg is None:
+            cfg = self._configs[sampling.greedy] = StepConfig.of(
+                self.target, self.drafter, sampling=sampling, buckets=self.buckets, top_k=self.top_k,
+                proposal=self.proposal, block_size=self.block_size, mask_token_id=self.mask_token_id)
+        return cfg
 
     @property
     def _n_draft(self) -> int | None:

@@ -36,6 +36,15 @@ class StepConfig:
     buckets: tuple[int, ...] = (1,)  # tree sizes a tree step can verify (the tree holds max(buckets) nodes)
     top_k: int = 1  # tree width: children considered per node
 
+    def __hash__(self) -> int:
+        """Computed once: hashing a GraphDef walks the whole module graph (~2 ms at SmolLM2), and the
+        executable table is looked up several times per request."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @classmethod
     def of(cls, target, drafter=None, *, sampling: SamplingConfig = SamplingConfig(),
            buckets: Sequence[int] = (1,), top_k: int = 1, proposal: Optional[Proposal] = None,
