@@ -85,6 +85,22 @@ def step_weight_bytes(target) -> int:
     return total
 
 
+def draft_weight_bytes(engine) -> int:
+    """Weight bytes a draft reads on top of the target's: the drafter's own layers and projection, the
+    LM head rows it scores (the draft vocabulary's N rows, or the target's whole head) and one
+    embedding row per block slot (negligible, not counted)."""
+    import jax
+
+    if engine.drafter is None:
+        return 0
+    own = sum(x.nbytes for x in jax.tree.leaves(engine.executables.drafter_params))
+    dv = engine.draft_vocab
+    if dv is not None:
+        return own + dv.weight.nbytes
+    state = engine.executables.target_params
+    return own + (state["lm_head"] if "lm_head" in state else state["embed_tokens"])["weight"].nbytes
+
+
 def ratios(engine, prof) -> dict:
     """Every ratio of the module docstring from one profile."""
     cfg = engine.target.config
@@ -92,6 +108,9 @@ def ratios(engine, prof) -> dict:
     weights = step_weight_bytes(engine.target)
     bandwidth = engine.latency.peaks.bandwidth
     floor = {c: (weights + kv_bytes(cfg, c, itemsize)) / bandwidth for c in prof.ar_step_s}
+    draft_weights = draft_weight_bytes(engine)
+    # A tree step reads the target's weights once (every node in one forward) plus the drafter's.
+    step_floor = {(p.bucket, p.context): floor[p.context] + draft_weights / bandwidth for p in prof.points}
     verify = {(p.bucket, p.context): p.verify_s / prof.ar_step_s[p.context] for p in prof.points}
     host = [p.host_s / p.loop_s for p in prof.points]
     return {
@@ -100,6 +119,9 @@ def ratios(engine, prof) -> dict:
         "hbm_floor_s": {str(c): f for c, f in floor.items()},
         "ar_step_s": {str(c): t for c, t in prof.ar_step_s.items()},
         "ar_floor_ratio": {str(c): floor[c] / t for c, t in prof.ar_step_s.items()},
+        "draft_weight_bytes": draft_weights,
+        "tree_step_floor_ratio": {f"{p.bucket}@{p.context}": step_floor[(p.bucket, p.context)] / p.device_s
+                                  for p in prof.points},
         "verify_over_ar": {f"{b}@{c}": r for (b, c), r in verify.items()},
         "calibration_rmse_over_mean": prof.calibration_error,
         "host_overhead_frac": {f"{p.bucket}@{p.context}": h for p, h in zip(prof.points, host)},
@@ -153,10 +175,13 @@ def markdown(meta: dict, r: dict, crit: list[dict], prof) -> str:
         cells = " | ".join(f"{r['verify_over_ar'][f'{b}@{c}']:.3f}" for b in buckets)
         lines.append(f"| {c} | {t * 1e3:.3f} | {r['hbm_floor_s'][c] * 1e3:.3f} | {r['ar_floor_ratio'][c]:.3f} | "
                      f"{cells} |")
-    lines += ["", "| bucket | context | step ms | device ms | verify ms | draft ms | host % | calibrated error % |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", f"Tree step floor: the AR floor + the draft's weights ({r['draft_weight_bytes'] / 2**20:.1f} MiB: the "
+              "drafter and the LM head rows it scores) / bandwidth.", "",
+              "| bucket | context | step ms | device ms | floor / device | verify ms | draft ms | host % | "
+              "calibrated error % |", "|---|---|---|---|---|---|---|---|---|"]
     for p in prof.points:
         lines.append(f"| {p.bucket} | {p.context} | {p.step_s * 1e3:.3f} | {p.device_s * 1e3:.3f} | "
+                     f"{r['tree_step_floor_ratio'][f'{p.bucket}@{p.context}']:.3f} | "
                      f"{p.verify_s * 1e3:.3f} | {p.draft_s * 1e3:.3f} | {100 * p.host_s / p.loop_s:.2f} | "
                      f"{100 * (p.calibrated_s - p.step_s) / p.step_s:+.2f} |")
     lines += ["", f"Real bastion loop ({meta['generate']['new_tokens']} tokens): "

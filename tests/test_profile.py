@@ -218,6 +218,11 @@ def test_perf_8b_writes_its_ratios_at_a_tiny_shape(tmp_path):
     assert math.isfinite(r["calibration_rmse_over_mean"]) and r["calibration_rmse_over_mean"] >= 0
     assert len(r["host_overhead_frac"]) == len(BUCKETS) * len(CONTEXTS)
     assert r["weight_bytes"] > 0
+    tcfg, _ = presets.preset_configs("smollm2-135m", layers=1, drafter_layers=1, block_size=4)
+    lm_head = tcfg.vocab_size * tcfg.hidden_size * 4  # float32 on CPU; no draft vocabulary for --arch
+    assert lm_head < r["draft_weight_bytes"] < lm_head + r["weight_bytes"]  # + a one-layer drafter
+    assert set(r["tree_step_floor_ratio"]) == set(r["verify_over_ar"])
+    assert all(finite_positive(v) for v in r["tree_step_floor_ratio"].values())
     crit = {c["name"]: c for c in data["criteria"]}
     assert len(crit) == 6
     assert crit["compilations after warm-up"]["value"] == 0 and crit["compilations after warm-up"]["pass"] is True
@@ -245,6 +250,19 @@ def test_step_costs_compare_two_cache_lengths(tmp_path):
     assert all(finite_positive(v["verify"]) for k, v in raw["cache_ratio"].items() if k != "ar")
     md = (tmp_path / "sc.md").read_text()
     assert "## cache 256 slots over cache 64 slots" in md and md.count("| 4 | 16 |") == 2
+
+
+def test_compile_time_from_shapes_only(tmp_path, capsys):
+    from benchmarks import compile_time
+
+    assert compile_time.main(["--arch", "smollm2-135m", "--layers", "1,2", "--bucket", "4", "--cache-len", "64",
+                              "--dtype", "float32", "--out-dir", str(tmp_path), "--name", "ct"]) == 0
+    raw = json.loads((tmp_path / "ct.json").read_text())
+    assert [r["layers"] for r in raw["runs"]] == [1, 2]
+    for r in raw["runs"]:
+        for step in ("decode", "tree_step(4)"):
+            assert finite_positive(r[step]["lower_s"]) and finite_positive(r[step]["compile_s"])
+    assert set(raw["ratios"]) == {"decode", "tree_step(4)"} and "Ratio 2 / 1 layers" in capsys.readouterr().out
 
 
 def test_install_is_found_by_generate_however_the_paths_are_spelled(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,122 @@
+"""Compile time of the decoding steps against the target's depth, with no weights at all.
+
+    python -m benchmarks.compile_time                          # qwen3-8b shapes: 4 vs 36 target layers
+    python -m benchmarks.compile_time --arch smollm2-135m --layers 1,2 --bucket 4 --out-dir /tmp/ct   # smoke
+
+Every step is lowered and compiled from abstract arguments (`jax.ShapeDtypeStruct` parameters,
+caches and state: `jit(step).lower(...).compile()`), so an 8B shape costs no memory. Reported per
+depth: lower and compile seconds of the AR decode step and of a tree step at `--bucket`, and the
+ratio deepest / shallowest (issue 14's target: 36 layers within 1.5x of 4 once layers are scanned).
+Writes benchmarks/results/<name>.json and <name>.md with device, date and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compile_time", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="qwen3-8b", help="named architecture (bastion_jax.presets)")
+    p.add_argument("--layers", default="4,36", help="target depths to compare (default 4,36)")
+    p.add_argument("--bucket", type=int, default=64, help="tree size of the tree step (default 64)")
+    p.add_argument("--cache-len", type=int, default=8192)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--name", help="results file stem (default <backend>-<arch>-compile-time)")
+    p.add_argument("--out-dir", default=str(RESULTS))
+    return p
+
+
+def abstract_pair(arch: str, layers: int, dtype):
+    """(target graphdef, drafter graphdef, abstract target params, abstract drafter params, configs)."""
+    from flax import nnx
+
+    from bastion_jax.modeling.drafter import Drafter
+    from bastion_jax.modeling.transformer import Transformer
+    from bastion_jax.presets import preset_configs
+
+    tcfg, dcfg = preset_configs(arch, layers)
+    t = nnx.eval_shape(lambda: Transformer(tcfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    d = nnx.eval_shape(lambda: Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1)))
+    (tdef, tstate), (ddef, dstate) = nnx.split(t), nnx.split(d)
+    return tdef, ddef, nnx.to_pure_dict(tstate), nnx.to_pure_dict(dstate), tcfg, dcfg
+
+
+def time_compiles(arch: str, layers: int, bucket: int, cache_len: int, dtype) -> dict:
+    """Lower and compile seconds of `decode` and `tree_step` (bucket) for one depth, from shapes only."""
+    import jax
+    import jax.numpy as jnp
+
+    from bastion_jax import decoding, tree_decoding
+    from bastion_jax.modeling.cache import KVCache
+    from bastion_jax.sampling import SamplingConfig, sampler
+    from bastion_jax.step_config import StepConfig
+
+    tdef, ddef, tparams, dparams, tcfg, dcfg = abstract_pair(arch, layers, dtype)
+    cfg = StepConfig(target_def=tdef, drafter_def=ddef, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
+                     tap_layers=tuple(dcfg.target_layer_ids), buckets=(bucket,), top_k=8)
+    rows = jax.ShapeDtypeStruct((1,), jnp.int32)
+    key = sampler(jax.random.PRNGKey(0), SamplingConfig())
+    tcache = jax.eval_shape(lambda: KVCache.create(tcfg, 1, cache_len, dtype))
+    dcache = jax.eval_shape(lambda: KVCache.create(dcfg, 1, cache_len, dtype))
+    out = {"layers": layers}
+
+    def measure(name, fn, *args, **static):
+        t0 = time.perf_counter()
+        lowered = fn.lower(*args, **static)
+        t1 = time.perf_counter()
+        lowered.compile()
+        out[name] = {"lower_s": t1 - t0, "compile_s": time.perf_counter() - t1}
+
+    measure("decode", decoding.decode, cfg, tparams, tcache, rows, rows, key, jax.ShapeDtypeStruct((1,), bool))
+    prompt = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+    state = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(cfg, *a)[0], tparams, dparams, tcache, dcache,
+                           prompt, rows, key)
+    measure(f"tree_step({bucket})", tree_decoding.tree_step, cfg, tparams, dparams, state,
+            jax.ShapeDtypeStruct((1,), bool), key, bucket=bucket)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.report import commit
+
+    depths = sorted(int(x) for x in args.layers.split(","))
+    runs = [time_compiles(args.arch, n, args.bucket, args.cache_len, getattr(jnp, args.dtype)) for n in depths]
+    steps = [k for k in runs[0] if k != "layers"]
+    ratios = {s: {k: runs[-1][s][k] / runs[0][s][k] for k in ("lower_s", "compile_s")} for s in steps}
+    meta = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+            "date": datetime.date.today().isoformat(), "commit": commit(), "arch": args.arch, "dtype": args.dtype,
+            "cache_len": args.cache_len, "bucket": args.bucket}
+    name = args.name or f"{meta['backend']}-{args.arch}-compile-time"
+    lines = [f"# {name}", "", f"{meta['device']}, {meta['date']}, commit {meta['commit']}, {args.arch} shapes, "
+             f"{args.dtype}, cache {args.cache_len}, abstract weights (nothing allocated).", "",
+             "| target layers | " + " | ".join(f"{s} lower s | {s} compile s" for s in steps) + " |",
+             "|---|" + "---|---|" * len(steps)]
+    for r in runs:
+        lines.append(f"| {r['layers']} | " + " | ".join(f"{r[s]['lower_s']:.2f} | {r[s]['compile_s']:.2f}"
+                                                    for s in steps) + " |")
+    lines += ["", f"Ratio {depths[-1]} / {depths[0]} layers (target: compile <= 1.5 once layers are scanned): "
+              + ", ".join(f"{s}: lower {r['lower_s']:.2f}x, compile {r['compile_s']:.2f}x" for s, r in ratios.items()),
+              ""]
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "runs": runs, "ratios": ratios}, indent=2) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
