@@ -49,8 +49,8 @@ class Executables:
         self.target_params = nnx.to_pure_dict(target.state)
         self.drafter_params = nnx.to_pure_dict(drafter.state) if drafter is not None else None
         self._table: dict[tuple, Any] = {}
-        self._step_args: dict[tuple, tuple] = {}
-        self._configs: dict[bool, StepConfig] = {}  # abstract tree-step arguments per shape
+        self._step_args: dict[tuple, tuple] = {}  # abstract tree-step arguments per shape
+        self._configs: dict[bool, StepConfig] = {}  # the StepConfig per greedy / sampled
         self.compilations = 0  # compilations done so far (a cached shape adds none)
 
     # -- buffers ---------------------------------------------------------------------------------

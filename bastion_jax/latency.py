@@ -234,8 +234,8 @@ class LatencyModel:
     # their paths: see `model_identity`), the dtype, the compiled buckets, the tree width and the batch. Only a
     # fresh offline fit is ever saved: online EMA corrections describe one run, not the setting.
     def key(self, model: str, dtype: str, tree_top_k: int) -> str:
-        ident = json.dumps([STEPS_VERSION, self.peaks.name, device_kind(), model, dtype, list(self.buckets), int(tree_top_k),
-                            self.block_size, self.batch, dataclasses.asdict(self.target),
+        ident = json.dumps([STEPS_VERSION, self.peaks.name, device_kind(), model, dtype, list(self.buckets),
+                            int(tree_top_k), self.block_size, self.batch, dataclasses.asdict(self.target),
                             self.drafter and dataclasses.asdict(self.drafter)])
         return hashlib.sha1(ident.encode()).hexdigest()[:16]
 
@@ -243,9 +243,9 @@ class LatencyModel:
         if self.ema:
             raise ValueError("refusing to save a latency model with online (EMA) corrections: only a fresh "
                              "offline calibration is saved")
-        return {"steps_version": STEPS_VERSION, "device": self.peaks.name, "device_kind": device_kind(), "model": model,
-                "dtype": dtype,
-                "buckets": list(self.buckets), "tree_top_k": int(tree_top_k), "batch": self.batch,
+        return {"steps_version": STEPS_VERSION, "device": self.peaks.name, "device_kind": device_kind(),
+                "model": model, "dtype": dtype, "buckets": list(self.buckets), "tree_top_k": int(tree_top_k),
+                "batch": self.batch,
                 "key": self.key(model, dtype, tree_top_k), "peaks": dataclasses.asdict(self.peaks),
                 "calibration": {str(b): {"alpha": self.alpha.get(b, 1.0), "beta": self.beta.get(b, 0.0)}
                                 for b in [*self.buckets, *(v for v in self.alpha if isinstance(v, str))]}}

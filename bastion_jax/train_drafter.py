@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", parents=[common], help="train (or resume) and export a drafter")
     t.add_argument("--data", nargs="+", required=True, help="JSONL file(s) written by the data command")
     t.add_argument("--out", required=True, help="work dir: checkpoints/, metrics.jsonl, drafter/ (the export)")
-    t.add_argument("--init", help="start from this drafter checkpoint instead of a random one")
+    t.add_argument("--init", help="start from this drafter checkpoint instead of a random one (and keep the token "
+                   "ranking stored beside it, so the loss vocabulary stays the one it was trained on)")
     t.add_argument("--layers", type=int, default=2, help="drafter layers (default 2)")
     t.add_argument("--num-taps", type=int, help="target layers tapped for features (default: max(layers, 3))")
     t.add_argument("--block-size", type=int, default=16)
@@ -171,6 +172,9 @@ def run_train(args, target, log) -> None:
                                       save_ranking)
     from bastion_jax.checkpoints.dflash import export_zlab
 
+    missing = [d for d in args.reuse_features if not Path(d).is_dir()]
+    if missing:
+        raise ValueError(f"--reuse-features: no such directory {missing[0]}")
     if args.init and args.init_from_target:
         raise ValueError("--init and --init-from-target both choose the starting weights; pass one")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, num_anchors=args.anchors,

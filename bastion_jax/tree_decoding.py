@@ -130,9 +130,8 @@ def tree_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
     path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)  # [b, depth + 1], root first
     emitted = jnp.where(slots < accepted[:, None], jnp.roll(path_tokens, -1, axis=1), bonus[:, None])
     emitted = jnp.where(slots <= accepted[:, None], emitted, -1)
-    # Only the first accepted + 1 <= bucket path entries are kept; a root-only tree moves nothing (and
-    # a no-op move of its window makes XLA copy the whole cache).
-    target_cache = out.cache if bucket == 1 else compact_cache(out.cache, length, path[:, :bucket], active)
+    # Only the first accepted + 1 <= bucket path entries are kept.
+    target_cache = compact_cache(out.cache, length, path[:, :bucket], active)
     features = (jnp.take_along_axis(out.taps, path[:, :, None], axis=1) if out.taps is not None
                 else jnp.zeros((tokens.shape[0], depth + 1, 1), jnp.float32))  # [b, depth + 1, F]
     new_length = jnp.where(active, length + accepted + 1, length)
@@ -181,7 +180,8 @@ def tree_verify(cfg: StepConfig, target_state, target_cache: KVCache, tree: Tree
     target = nnx.merge(cfg.target_def, target_state)
     tree = slice_tree(tree, bucket)
     positions = length[:, None] + tree.depths  # [b, n]
-    out = target(jnp.maximum(tree.tokens, 0), positions, target_cache, length, tree.ancestors, tap_layers=cfg.tap_layers)
+    out = target(jnp.maximum(tree.tokens, 0), positions, target_cache, length, tree.ancestors,
+                 tap_layers=cfg.tap_layers)
     return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
 
 

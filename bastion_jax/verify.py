@@ -37,6 +37,10 @@ def compact_cache(cache: KVCache, start: jax.Array, path: jax.Array, active: jax
     ancestors, so after the move the cache equals a sequential pass. path: [b, L]. Rows with
     `active[b]` False are not touched.
     """
+    # A one-entry path is the root alone, already at slot start: nothing moves (and a no-op move of the
+    # one-slot window makes XLA copy the whole cache buffer).
+    if path.shape[1] == 1:
+        return cache
     idx = (start[:, None] + path)[:, :, None, None]  # [b, L, 1, 1]
 
     def move(buf):

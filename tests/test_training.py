@@ -185,7 +185,7 @@ def test_bad_datasets():
         TrainConfig(steps=1, seq_len=16, num_anchors=16)
 
 
-def test_cli_data_then_train(tmp_path):
+def test_cli_data_then_train(tmp_path, capsys):
     """The two commands end to end on a tiny HF target: responses, training, z-lab export."""
     from bastion_jax.checkpoints import load_target
     from bastion_jax.testing import save_tiny_hf
@@ -202,6 +202,10 @@ def test_cli_data_then_train(tmp_path):
     assert main(["train", *common, "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run"),
                  "--layers", "1", "--block-size", "4", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
                  "--anchors", "4", "--held-out", "2", "--export-dtype", "float32"]) == 0
+    # A --reuse-features directory that does not exist is one error line, not silently ignored.
+    assert main(["train", *common, "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run2"),
+                 "--reuse-features", str(tmp_path / "nowhere")]) != 0
+    assert "--reuse-features: no such directory" in capsys.readouterr().err
     target = load_target(tmp_path / "hf", jnp.float32)
     drafter = load_drafter(tmp_path / "run" / "drafter", target.config)
     assert drafter.config.block_size == 4 and drafter.config.num_hidden_layers == 1

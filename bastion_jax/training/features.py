@@ -88,6 +88,7 @@ class FeatureStore:
         """Copy rows whose hash matches a done row of another store (same row length and width)."""
         where = {int(h): i for i, h in enumerate(hashes)}
         row_shape = self.data.shape[1:]
+        row_bytes = int(np.prod(row_shape)) * np.dtype(STORE_DTYPE).itemsize
         for rows_file in sorted(p for d in directories for p in d.glob("*.rows.npy")):
             if rows_file == self.rows_path:
                 continue
@@ -96,7 +97,6 @@ class FeatureStore:
             if not (done_file.is_file() and bin_file.is_file()):
                 continue
             other_hashes, other_done = np.load(rows_file), np.load(done_file)
-            row_bytes = int(np.prod(row_shape)) * np.dtype(STORE_DTYPE).itemsize
             if bin_file.stat().st_size != len(other_hashes) * row_bytes:
                 continue  # another row length or feature width
             other = np.memmap(bin_file, dtype=STORE_DTYPE, mode="r", shape=(len(other_hashes), *row_shape))
