@@ -30,6 +30,7 @@ from bastion_jax.sampling import SamplingConfig, sampler
 from bastion_jax.speculative import DraftVocab
 from bastion_jax.stats import Result, Rows, Stats
 from bastion_jax.tree_decoding import DRAFT, HOLD
+from bastion_jax.tree_loop import TreeLoop
 
 __all__ = ["MODES", "Engine", "GenerationError", "Result", "Stats"]
 
@@ -237,7 +238,7 @@ class Engine:
             step_buckets = {"fixed": [policy.size], "bastion-paper": list(getattr(controller, "paper_buckets", ()))
                             }.get(policy.kind, list(self.buckets))
             prefill, steps = exe.tree(batch, bucket, cache_len, sampling, step_buckets)
-            gate = None
+            gate, roots = None, None
             if policy.kind == "bastion":
                 roots = exe.roots(batch, cache_len, sampling)
                 gate = DraftGate(self.buckets, latency.step_time, tree_decoding.pending_slots(self.block_size),
@@ -284,10 +285,10 @@ class Engine:
         held += time.perf_counter() - paused
         lengths = lens.copy()
         cur = nxt if policy.kind == "ar" else None  # AR: the next input stays on the device
-        holding = False
         active_dev, active_was = None, None  # the rows' active mask on the device, sent again only when it changes
-        if policy.uses_tree and gate is not None:
-            gate.observe_tree(np.asarray(curve).mean(axis=0))
+        if policy.uses_tree:
+            loop = TreeLoop(policy.kind, controller, gate, steps, roots, latency, self.buckets,
+                            exe.target_params, dstate, curve)
         compiled_before_loop = compile_counter.compilations()
         queued = None  # AR: the next step's token, dispatched before this step's token was read
 
@@ -301,8 +302,6 @@ class Engine:
             return params.replace(key=sub)
 
         while not rows.done.all():
-            if policy.kind != "ar":
-                sub = next_params()
             active = ~rows.done
             if active_was is None or not np.array_equal(active, active_was):
                 active_dev, active_was = jax.device_put(active), active
@@ -324,43 +323,13 @@ class Engine:
                 new = [[toks[i]] for i in range(batch)]
                 counts = np.ones(batch, np.int64)
             elif policy.kind == "dflash":
-                state, out = step(exe.target_params, dstate, state, active_dev, sub)
+                state, out = step(exe.target_params, dstate, state, active_dev, next_params())
                 toks, counts = jax.device_get((out.tokens, out.count))
                 new = [toks[i, : counts[i]] for i in range(batch)]
             else:
-                context = int(lengths[active].max())
-                a = None if holding else np.asarray(curve)
-                take_root = holding or (gate is not None and (
-                    not gate.use_tree(context) or controller.choose(a * gate.rho, context, active, record=False) == 1))
-                if take_root:
-                    # A plain AR step on the root (a tree in hand is dropped: drafting does not pay, or
-                    # the best bucket is the root alone, which a root step verifies without drafting).
-                    then = gate.root_then(context)
-                    b, variant = 0, (AR_DRAFT if then == DRAFT else AR)
-                    ts = time.perf_counter()
-                    state, out, new_curve = roots[then](exe.target_params, dstate, state, active_dev, sub)
-                    controller.histogram[0] += 1
-                else:
-                    probs = np.exp(np.asarray(state.tree.log_probs)) if policy.kind == "bastion-paper" else None
-                    b = variant = controller.choose(a * (gate.rho if gate else 1.0), context, active, probs)
-                    then = DRAFT
-                    ts = time.perf_counter()
-                    state, out, new_curve = steps[b](exe.target_params, dstate, state, active_dev, sub)
-                toks, counts, new_curve = jax.device_get((out.tokens, out.count, new_curve))
-                elapsed = time.perf_counter() - ts
-                if then == DRAFT:  # tree steps that hold and flushes are not calibrated variants
-                    latency.observe(variant, context, elapsed)
-                elif b == 0 and then == HOLD:
-                    latency.observe(AR, context, elapsed)
-                if gate is not None:
-                    if b:
-                        gate.observe_verify(b, float(a[active, self.buckets.index(b)].mean()),
-                                            float(counts[active].mean() - 1))
-                    gate.record(then, int(counts[active].max()))
-                    if then == DRAFT:
-                        gate.observe_tree(new_curve[active].mean(axis=0))
-                holding = then != DRAFT
-                curve = new_curve
+                look_ahead = not (rows.done | (rows.produced + 1 >= rows.budget)).all()
+                state, toks, counts = loop.step(state, active, active_dev, int(lengths[active].max()), next_params,
+                                                look_ahead)
                 new = [toks[i, : counts[i]] for i in range(batch)]
             lengths = lengths + np.where(active, counts, 0).astype(np.int32)
             stats.steps += 1

@@ -113,10 +113,16 @@ def test_drafter_context_equals_injecting_every_committed_token(pair):
 def test_mixed_steps_sample_the_target_law(vocab6_target):
     """T = 1: the three tokens after the prompt (prefill, a tree step that holds, a root step)
     follow the target's exact joint law."""
-    from bastion_jax.testing import next_token_probs
-
     target, prompt = vocab6_target, [1, 4, 3]
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK, num_taps=1), seed=1)
+    got, _, _ = drive(target, drafter, [prompt] * 4000, 2, 3, sampling=SamplingConfig(1.0), schedule=[HOLD, HOLD])
+    assert_three_token_law(target, prompt, got)
+
+
+def assert_three_token_law(target, prompt, got):
+    """The first three tokens of each row in `got` follow the target's exact joint law (chi-square)."""
+    from bastion_jax.testing import next_token_probs
+
     v = target.config.vocab_size
     p1 = next_token_probs(target, prompt)
     law = np.zeros((v, v, v))
@@ -124,15 +130,25 @@ def test_mixed_steps_sample_the_target_law(vocab6_target):
         p2 = next_token_probs(target, prompt + [a])
         for c in range(v):
             law[a, c] = p1[a] * p2[c] * next_token_probs(target, prompt + [a, c])
-    rows = 4000
-    got, _, _ = drive(target, drafter, [prompt] * rows, 2, 3, sampling=SamplingConfig(1.0), schedule=[HOLD, HOLD])
     triples = np.array([g[:3] for g in got])
     counts = np.zeros_like(law)
     np.add.at(counts, tuple(triples.T), 1)
-    expected = law * rows
+    expected = law * len(got)
     m = expected > 5
     chi2 = float(((counts[m] - expected[m]) ** 2 / expected[m]).sum())
     assert chi2 < 1.5 * m.sum() + 60  # dof ~ m.sum(): far beyond p = 1e-4 only for a biased sampler
+
+
+def test_engine_root_steps_dispatched_ahead_sample_the_target_law(vocab6_target):
+    """T = 1 through `Engine.stream`: a gate that knows drafting does not pay takes held root steps,
+    the second dispatched before the first is read (lookahead), each with its own key."""
+    target, prompt = vocab6_target, [1, 4, 3]
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK, num_taps=1), seed=1)
+    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4, latency=FixedLatency(BUCKETS))
+    engine._gate_memory.update(rho=0.0, a_bar=np.ones(len(BUCKETS)))  # learnt: the drafts are never accepted
+    res = engine.generate([prompt] * 4000, max_new_tokens=3, mode="bastion", sampling=SamplingConfig(1.0), seed=5)
+    assert res.stats.buckets == {0: 2}  # two root steps after the prefill
+    assert_three_token_law(target, prompt, res.tokens)
 
 
 def test_draft_vocab_permutation_gives_the_same_trees(pair):
@@ -232,3 +248,19 @@ def test_resolve_draft_vocab(pair, tmp_path):
     ar = engine.generate(prompts, max_new_tokens=16, mode="ar").tokens
     for mode in ("bastion", "fixed:8", "dflash"):
         assert engine.generate(prompts, max_new_tokens=16, mode=mode).tokens == ar
+
+
+def test_engine_root_steps_dispatched_ahead_keep_greedy_and_stops(pair):
+    """Greedy, a batch whose rows stop at different steps (a stop token in one, the budget in the
+    other) under held root steps dispatched ahead: token-identical to AR, nothing past a stop."""
+    target, drafter = pair
+    prompts = [[5, 9, 11, 40, 41], [7, 3, 20]]
+    free = Engine(target, stop_ids=[-1]).generate(prompts, max_new_tokens=30, mode="ar").tokens
+    stop = free[0][6]  # row 0 stops at its 7th token (or earlier if the token came before)
+    ar = Engine(target, stop_ids=[stop]).generate(prompts, max_new_tokens=30, mode="ar").tokens
+    engine = Engine(target, drafter=drafter, stop_ids=[stop], buckets=BUCKETS, top_k=4,
+                    latency=FixedLatency(BUCKETS))
+    engine._gate_memory.update(rho=0.0, a_bar=np.ones(len(BUCKETS)))
+    res = engine.generate(prompts, max_new_tokens=30, mode="bastion")
+    assert res.tokens == ar and len(ar[0]) <= 7 < len(ar[1])
+    assert res.stats.buckets[0] >= 0.8 * res.stats.steps  # root steps (with probes that draft)

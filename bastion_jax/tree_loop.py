@@ -1,0 +1,104 @@
+"""The host side of a tree policy's step: what to run, dispatching it, one read, and the feedback.
+
+Each step is either a tree step of bucket b (verify the drafted tree, draft the next one) or a root
+step (a plain AR step on the target that then holds, drafts or flushes: `draft_gate`). After the
+single device->host read, what the step showed goes back to the latency model (its measured time),
+the draft gate (realised acceptance, the fresh tree's surrogate curve) and the controller's
+histogram.
+
+Lookahead. A root step that does not draft commits exactly one token per active row and leaves no
+tree to choose from, so the next step is known before its result is read: another root step, whose
+`then` the gate decides on the context one token further. `TreeLoop` dispatches that step before
+reading the current one, so the device works while the host reads, emits and yields (as the AR
+loop does). A row that stops on the read step is computed once more and its token dropped; nothing
+is dispatched past every row's token budget.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from bastion_jax.controller import Controller
+from bastion_jax.draft_gate import DraftGate
+from bastion_jax.latency import AR, AR_DRAFT, LatencyModel
+from bastion_jax.tree_decoding import DRAFT, HOLD
+
+
+class TreeLoop:
+    """Runs the steps of one request under a tree policy (fixed:N, bastion, bastion-paper).
+
+    steps: bucket -> compiled tree step; roots: then -> compiled root step (bastion only, with `gate`);
+    curve: the prefill's surrogate curves [batch, n_buckets] (what the first tree offers).
+    """
+
+    def __init__(self, kind: str, controller: Controller, gate: DraftGate | None, steps: dict, roots: dict | None,
+                 latency: LatencyModel, buckets: tuple[int, ...], target_params, drafter_params, curve):
+        self.kind, self.controller, self.gate = kind, controller, gate
+        self.steps, self.roots, self.latency, self.buckets = steps, roots, latency, buckets
+        self.params = (target_params, drafter_params)
+        self.curve = np.asarray(curve)  # [batch, n_buckets]
+        if gate is not None:
+            gate.observe_tree(self.curve.mean(axis=0))
+        self.holding = False  # the last step did not draft: no tree in hand, the next step is a root step
+        self.queued: tuple | None = None  # (then, out, curve, dispatched at) of a root step dispatched ahead
+        self.back_at = 0.0  # when the host last came back to the loop (its reads are timed from there)
+
+    def _dispatch_root(self, then: int, state, active_dev, key) -> tuple:
+        ts = time.perf_counter()
+        state, out, curve = self.roots[then](*self.params, state, active_dev, key)
+        return state, (then, out, curve, ts)
+
+    def step(self, state, active: np.ndarray, active_dev, context: int, next_key: Callable[[], Any],
+             look_ahead: bool) -> tuple[Any, np.ndarray, np.ndarray]:
+        """One step for the rows in `active` at committed context `context` (longest active row).
+        next_key() gives the sampler of the step it is called for. `look_ahead`: a further step may
+        still be needed (not every row is at its budget). Returns (state, tokens [batch, n], counts
+        [batch])."""
+        gate, ctl = self.gate, self.controller
+        self.back_at = time.perf_counter()
+        recorded = False  # the gate recorded this step already (when it dispatched the next one)
+        if self.queued is not None:
+            (then, out, new_curve, ts), self.queued = self.queued, None
+            b = 0
+        else:
+            a = None if self.holding else self.curve
+            take_root = self.holding or (gate is not None and (
+                not gate.use_tree(context) or ctl.choose(a * gate.rho, context, active, record=False) == 1))
+            if take_root:
+                # A plain AR step on the root (a tree in hand is dropped: drafting does not pay, or the
+                # best bucket is the root alone, which a root step verifies without drafting).
+                b = 0
+                state, (then, out, new_curve, ts) = self._dispatch_root(gate.root_then(context), state, active_dev,
+                                                                         next_key())
+            else:
+                probs = np.exp(np.asarray(state.tree.log_probs)) if self.kind == "bastion-paper" else None
+                b = ctl.choose(a * (gate.rho if gate else 1.0), context, active, probs)
+                then, ts = DRAFT, time.perf_counter()
+                state, out, new_curve = self.steps[b](*self.params, state, active_dev, next_key())
+        if look_ahead and b == 0 and then != DRAFT:
+            gate.record(then, 1)  # a root step commits exactly one token per active row
+            recorded = True
+            state, self.queued = self._dispatch_root(gate.root_then(context + 1), state, active_dev, next_key())
+        toks, counts, new_curve = jax.device_get((out.tokens, out.count, new_curve))
+        # A step dispatched ahead ran partly while the host was away: time it from the host's return.
+        elapsed = time.perf_counter() - max(ts, self.back_at)
+        ctl.histogram[b] += 1
+        if then == DRAFT:  # tree steps that hold and flushes are not calibrated variants
+            self.latency.observe(b or AR_DRAFT, context, elapsed)
+        elif then == HOLD:
+            self.latency.observe(AR, context, elapsed)
+        if gate is not None:
+            if b:
+                gate.observe_verify(b, float(self.curve[active, self.buckets.index(b)].mean()),
+                                    float(counts[active].mean() - 1))
+            if not recorded:
+                gate.record(then, int(counts[active].max()))
+            if then == DRAFT:
+                gate.observe_tree(new_curve[active].mean(axis=0))
+        self.holding = then != DRAFT
+        self.curve = new_curve
+        return state, toks, counts

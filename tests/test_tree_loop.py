@@ -1,0 +1,90 @@
+"""The tree policies' host loop (`TreeLoop`): root steps that hold are dispatched one step ahead,
+the gate records every step exactly once, and nothing is dispatched ahead past the budget."""
+
+import types
+
+import jax
+import numpy as np
+
+from bastion_jax.controller import Controller, Policy
+from bastion_jax.draft_gate import DraftGate
+from bastion_jax.tree_decoding import DRAFT, FLUSH, HOLD
+from bastion_jax.tree_loop import TreeLoop
+
+BUCKETS = (1, 4, 8)
+
+
+class Latency:
+    """AR 1.0; drafting costs 0.6 more; verify 0.01 per node; no online correction."""
+
+    def predict(self, b, c):
+        return {"ar": 1.0, "ar+draft": 1.6}.get(b) or 1.6 + 0.01 * b
+
+    def step_time(self, b, c, draft):
+        return (1.6 if draft else 1.0) if b == 0 else self.predict(b, c) - (0.0 if draft else 0.6)
+
+    def observe(self, *a):
+        pass
+
+
+def make_loop(log, batch=2):
+    """A TreeLoop over fake compiled steps that log their dispatches; a drafter the gate already
+    knows to be useless (realised acceptance rho = 0), so it holds, with a probe now and then."""
+    gate = DraftGate(BUCKETS, Latency().step_time, pending_slots=64, block_size=4)
+    gate.rho, gate.a_bar = 0.0, np.array([0.5, 1.0, 1.2])
+
+    def root(then):
+        def step(tp, dp, state, active, key):
+            log.append(("dispatch", then))
+            out = types.SimpleNamespace(tokens=np.full((batch, 1), len(log)), count=np.ones(batch, np.int32))
+            return state, out, np.zeros((batch, len(BUCKETS)))
+
+        return step
+
+    def tree(tp, dp, state, active, key):
+        log.append(("dispatch", "tree"))
+        out = types.SimpleNamespace(tokens=np.zeros((batch, 2)), count=np.full(batch, 2, np.int32))
+        return state, out, np.zeros((batch, len(BUCKETS)))
+
+    controller = Controller(Policy("bastion"), BUCKETS, Latency())
+    roots = {t: root(t) for t in (HOLD, DRAFT, FLUSH)}
+    loop = TreeLoop("bastion", controller, gate, {b: tree for b in BUCKETS}, roots, Latency(), BUCKETS,
+                    None, None, np.zeros((batch, len(BUCKETS))))
+    return loop, gate
+
+
+def run(loop, n, log, monkeypatch, look_ahead=lambda i: True, batch=2):
+    real_get = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: (log.append(("read",)), real_get(x))[1])
+    active = np.ones(batch, bool)
+    for i in range(n):
+        loop.step(None, active, active, 10 + i, lambda: None, look_ahead(i))
+
+
+def test_held_root_steps_are_dispatched_one_ahead(monkeypatch):
+    log = []
+    loop, gate = make_loop(log)
+    run(loop, 12, log, monkeypatch)
+    kinds = [e[0] for e in log]
+    # The first step is dispatched and, since it holds, the next one before the first read; from
+    # then on each read is preceded by the next dispatch.
+    assert kinds[:3] == ["dispatch", "dispatch", "read"]
+    reads = [i for i, k in enumerate(kinds) if k == "read"]
+    assert len(reads) == 12
+    lead = [sum(k == "dispatch" for k in kinds[:r]) - j for j, r in enumerate(reads)]
+    # A read after a drafting root step (a probe) has no step ahead of it; every held one has one.
+    thens = [e[1] for e in log if e[0] == "dispatch"]
+    assert HOLD in thens and DRAFT in thens  # a probe came along
+    assert max(lead) == 2 and lead.count(2) >= 8
+    # Every step the host consumed was recorded by the gate exactly once.
+    consumed = len(reads)
+    assert gate.held + gate.drafted + sum(t == FLUSH for t in thens[:consumed]) == consumed
+    assert loop.controller.histogram[0] == consumed
+
+
+def test_nothing_is_dispatched_ahead_at_the_budget(monkeypatch):
+    log = []
+    loop, gate = make_loop(log)
+    run(loop, 3, log, monkeypatch, look_ahead=lambda i: False)
+    assert [e[0] for e in log] == ["dispatch", "read"] * 3
+    assert gate.held == 3 and loop.queued is None
