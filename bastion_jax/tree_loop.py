@@ -76,7 +76,7 @@ class TreeLoop:
                                                                          next_key())
             else:
                 probs = np.exp(np.asarray(state.tree.log_probs)) if self.kind == "bastion-paper" else None
-                b = ctl.choose(a * (gate.rho if gate else 1.0), context, active, probs)
+                b = ctl.choose(a * (gate.rho if gate else 1.0), context, active, probs, record=False)
                 then, ts = DRAFT, time.perf_counter()
                 state, out, new_curve = self.steps[b](*self.params, state, active_dev, next_key())
         if look_ahead and b == 0 and then != DRAFT:
@@ -86,7 +86,7 @@ class TreeLoop:
         toks, counts, new_curve = jax.device_get((out.tokens, out.count, new_curve))
         # A step dispatched ahead ran partly while the host was away: time it from the host's return.
         elapsed = time.perf_counter() - max(ts, self.back_at)
-        ctl.histogram[b] += 1
+        ctl.histogram[b] += 1  # (counted here, once per step read)
         if then == DRAFT:  # tree steps that hold and flushes are not calibrated variants
             self.latency.observe(b or AR_DRAFT, context, elapsed)
         elif then == HOLD:

@@ -264,3 +264,4 @@ def test_engine_root_steps_dispatched_ahead_keep_greedy_and_stops(pair):
     res = engine.generate(prompts, max_new_tokens=30, mode="bastion")
     assert res.tokens == ar and len(ar[0]) <= 7 < len(ar[1])
     assert res.stats.buckets[0] >= 0.8 * res.stats.steps  # root steps (with probes that draft)
+    assert sum(res.stats.buckets.values()) == res.stats.steps  # every step counted once
