@@ -35,6 +35,13 @@ class Bound:
         return self.exe(*args, self.draft_vocab)
 
 
+# Every bf16 rounding the code asks for happens, whatever XLA fuses: with excess precision allowed, a
+# rounding kept in one step shape (a 1-token AR step) and fused away in another (a 16-node verify)
+# can flip an argmax, and greedy output would no longer equal AR's (seen with scanned layers).
+# Changes nothing in float32.
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
+
 class Executables:
     """Compiled prefill/step functions for a target (and drafter), one per shape, compiled on first use."""
 
@@ -78,7 +85,7 @@ class Executables:
         """The compiled `fn(*args, **static)` for `key`, compiling (and counting) it the first time."""
         exe = self._table.get(key)
         if exe is None:
-            exe = fn.lower(*args, **(static or {})).compile()
+            exe = fn.lower(*args, **(static or {})).compile(compiler_options=COMPILER_OPTIONS)
             self._table[key] = exe
             self.compilations += 1
         return exe

@@ -105,7 +105,8 @@ def test_prefix_loop_stops_at_the_live_context():
     np.testing.assert_allclose(np.asarray(jitted(k_cache, v_cache)), np.asarray(clean), rtol=1e-6, atol=1e-6)
 
 
-def test_compiled_steps_never_copy_a_cache_buffer():
+@pytest.mark.parametrize("slots", [200, 328])  # below one prefix chunk (one read) and over it (the loop)
+def test_compiled_steps_never_copy_a_cache_buffer(slots):
     """Per step, only the new slots of a (donated) cache are written: no whole-buffer copy of any layer's
     K/V in the compiled AR, tree (incl. a root-only tree) and root steps. Regressions here cost a full
     cache read + write per layer per step (4.6x the AR step at an 8192-slot cache on CPU)."""
@@ -119,7 +120,7 @@ def test_compiled_steps_never_copy_a_cache_buffer():
     target, drafter = random_models(tcfg, dcfg, jnp.float32, 0)
     exe = Executables(target, drafter, proposal=None, block_size=4, mask_token_id=0, buckets=(1, 4), top_k=8,
                       draft_vocab=None)
-    slots = 328  # a cache length no other array of these steps has
+    # (cache lengths no other array of these steps has)
     _, decode = exe.ar(1, 16, slots, SamplingConfig())
     _, steps = exe.tree(1, 16, slots, SamplingConfig(), [1, 4])
     roots = exe.roots(1, slots, SamplingConfig())
