@@ -115,7 +115,7 @@ def test_mixed_steps_sample_the_target_law(vocab6_target):
     follow the target's exact joint law."""
     target, prompt = vocab6_target, [1, 4, 3]
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK, num_taps=1), seed=1)
-    got, _, _ = drive(target, drafter, [prompt] * 4000, 2, 3, sampling=SamplingConfig(1.0), schedule=[HOLD, HOLD])
+    got, _, _ = drive(target, drafter, [prompt] * 2500, 2, 3, sampling=SamplingConfig(1.0), schedule=[HOLD, HOLD])
     assert_three_token_law(target, prompt, got)
 
 
@@ -146,7 +146,7 @@ def test_engine_root_steps_dispatched_ahead_sample_the_target_law(vocab6_target)
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK, num_taps=1), seed=1)
     engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4, latency=FixedLatency(BUCKETS))
     engine._gate_memory.update(rho=0.0, a_bar=np.ones(len(BUCKETS)))  # learnt: the drafts are never accepted
-    res = engine.generate([prompt] * 4000, max_new_tokens=3, mode="bastion", sampling=SamplingConfig(1.0), seed=5)
+    res = engine.generate([prompt] * 2500, max_new_tokens=3, mode="bastion", sampling=SamplingConfig(1.0), seed=5)
     assert res.stats.buckets == {0: 2}  # two root steps after the prefill
     assert_three_token_law(target, prompt, res.tokens)
 
