@@ -305,6 +305,9 @@ class Engine:
             active = ~rows.done
             if active_was is None or not np.array_equal(active, active_was):
                 active_dev, active_was = jax.device_put(active), active
+            # Some row still has budget after this step: the next step may be dispatched before this
+            # one is read (AR always; the tree policies after a root step that does not draft).
+            look_ahead = not (rows.done | (rows.produced + 1 >= rows.budget)).all()
             # One device->host read per step (`jax.device_get` of everything the host needs at once).
             if policy.kind == "ar":
                 if queued is None:
@@ -316,7 +319,7 @@ class Engine:
                 # stops here is computed once more and its token dropped; when every row's budget ends
                 # here nothing more is dispatched.
                 queued = None
-                if not (rows.done | (rows.produced + 1 >= rows.budget)).all():
+                if look_ahead:
                     queued, tcache = step(exe.target_params, tcache, cur, jax.device_put(lengths + active),
                                           next_params(), active_dev)
                 toks = jax.device_get(cur)
@@ -327,7 +330,6 @@ class Engine:
                 toks, counts = jax.device_get((out.tokens, out.count))
                 new = [toks[i, : counts[i]] for i in range(batch)]
             else:
-                look_ahead = not (rows.done | (rows.produced + 1 >= rows.budget)).all()
                 state, toks, counts = loop.step(state, active, active_dev, int(lengths[active].max()), next_params,
                                                 look_ahead)
                 new = [toks[i, : counts[i]] for i in range(batch)]
