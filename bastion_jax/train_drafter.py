@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", parents=[common], help="train (or resume) and export a drafter")
     t.add_argument("--data", nargs="+", required=True, help="JSONL file(s) written by the data command")
-    t.add_argument("--out", required=True, help="work dir: checkpoints/, metrics.jsonl, drafter/ (the export)")
+    t.add_argument("--out", required=True, help="work dir: checkpoints/, metrics.jsonl, drafter/ (the final export), best/ (the export of the best validation step, best.json its figures)")
     t.add_argument("--init", help="start from this drafter checkpoint instead of a random one (and keep the token "
                    "ranking stored beside it, so the loss vocabulary stays the one it was trained on)")
     t.add_argument("--layers", type=int, default=2, help="drafter layers (default 2)")
@@ -201,19 +201,25 @@ def run_train(args, target, log) -> None:
     out = Path(args.out)
     t0 = time.perf_counter()
     ranking = load_ranking(Path(args.init)) if args.init else None  # keep the loss vocabulary it was trained on
+    def record(state, directory: Path, **extra) -> Path:
+        export = export_zlab(d, state, directory, getattr(jnp, args.export_dtype))
+        save_ranking(export, trainer.ranking)  # what generate --draft-vocab reads beside config.json
+        (export / "training.json").write_text(json.dumps(
+            {"train_config": dataclasses.asdict(cfg), "data": [str(p) for p in args.data],
+             "target": str(target.path), "init": args.init or ("target's last layers" if args.init_from_target else
+                                                               "random"),
+             "seconds": round(time.perf_counter() - t0, 1), **extra,
+             "vocab_ranking": {"file": "vocab_ranking.npy", "source": "training responses",
+                               "order": "int32 token ids, most frequent first, ties by id"}}, indent=2))
+        return export
+
     trainer = Trainer(target, drafter, cfg, out, log=log, ranking=ranking,
-                      reuse_features=tuple(Path(p) for p in args.reuse_features))
+                      reuse_features=tuple(Path(p) for p in args.reuse_features),
+                      on_best=lambda state, ev: record(state, out / "best", validation=ev))
     trained = trainer.fit(train, val if len(val) else None, progress=not args.quiet)
-    export = export_zlab(d, trained.state, out / "drafter", getattr(jnp, args.export_dtype))
-    save_ranking(export, trainer.ranking)  # what generate --draft-vocab reads beside config.json
-    (out / "drafter" / "training.json").write_text(json.dumps(
-        {"train_config": dataclasses.asdict(cfg), "data": [str(p) for p in args.data],
-         "target": str(target.path), "init": args.init or ("target's last layers" if args.init_from_target else
-                                                           "random"),
-         "seconds": round(time.perf_counter() - t0, 1),
-         "vocab_ranking": {"file": "vocab_ranking.npy", "source": "training responses",
-                           "order": "int32 token ids, most frequent first, ties by id"}}, indent=2))
-    log(f"exported {export} ({sum(f.stat().st_size for f in export.iterdir()) / 1e6:.1f} MB)")
+    export = record(trained.state, out / "drafter", best_validation=trainer.best())
+    log(f"exported {export} ({sum(f.stat().st_size for f in export.iterdir()) / 1e6:.1f} MB)"
+        + (f"; the best validation step ({trainer.best()['step']}) is in {out / 'best'}" if trainer.best() else ""))
 
 
 def run_eval(args, target, log) -> None:

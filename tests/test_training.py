@@ -127,16 +127,32 @@ def test_toy_training_learns_resumes_and_exports(pair, toy_data, tmp_path):
     target, drafter = pair
     data = TokenDataset(toy_data, seq_len=32, vocab_size=target.config.vocab_size)
     train, val = data.split(4)
-    cfg = TrainConfig(steps=60, batch_size=4, seq_len=32, num_anchors=8, lr=1e-2, log_every=10, save_every=30)
-    logs = []
-    Trainer(target, drafter, dataclasses_replace(cfg, steps=30), tmp_path, log=logs.append).fit(train, val,
-                                                                                                 progress=False)
-    trained = Trainer(target, drafter, cfg, tmp_path, log=logs.append).fit(train, val, progress=False)
+    cfg = TrainConfig(steps=60, batch_size=4, seq_len=32, num_anchors=8, lr=1e-2, log_every=10, save_every=30,
+                      eval_every=10)
+    logs, bests = [], []
+
+    def on_best(params, ev):
+        bests.append((ev["step"], ev["accept_len"]))
+        assert jax.tree.structure(params) == jax.tree.structure(drafter.state)
+
+    Trainer(target, drafter, dataclasses_replace(cfg, steps=30), tmp_path, log=logs.append,
+            on_best=on_best).fit(train, val, progress=False)
+    trained = Trainer(target, drafter, cfg, tmp_path, log=logs.append, on_best=on_best).fit(train, val,
+                                                                                            progress=False)
     assert any("resumed" in m and "step 30" in m for m in logs)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if r["split"] == "train"]
     assert steps == list(range(10, 61, 10))  # resumed at 30, not restarted
     train_rows = [r for r in rows if r["split"] == "train"]
+    # The best validation step is exported each time it improves, across the resume: a record, never a regression.
+    val_rows = [r for r in rows if r["split"] == "val"]
+    assert [r["step"] for r in val_rows] == list(range(10, 61, 10))
+    records = []
+    for r in val_rows:
+        if not records or r["accept_len"] > records[-1][1]:
+            records.append((r["step"], r["accept_len"]))
+    assert bests == records and bests[0][0] == 10
+    assert json.loads((tmp_path / "best.json").read_text())["step"] == bests[-1][0]
     # The tiny random target's LM head gives small logits, so the loss moves slowly from log(96)
     # while top-1 accuracy climbs fast.
     assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 0.25
@@ -210,6 +226,9 @@ def test_cli_data_then_train(tmp_path, capsys):
     drafter = load_drafter(tmp_path / "run" / "drafter", target.config)
     assert drafter.config.block_size == 4 and drafter.config.num_hidden_layers == 1
     assert json.loads((tmp_path / "run" / "drafter" / "training.json").read_text())["train_config"]["steps"] == 3
+    best = json.loads((tmp_path / "run" / "best" / "training.json").read_text())["validation"]
+    assert best == json.loads((tmp_path / "run" / "best.json").read_text()) and best["step"] == 3
+    assert load_drafter(tmp_path / "run" / "best", target.config).config.block_size == 4
 
     # eval: tau per mode and prompt set, AR identity checked, the report written.
     chat = tmp_path / "chat.jsonl"

@@ -148,7 +148,10 @@ class Trainer:
     logs training and validation metrics and throughput; `workdir/vocab_ranking.npy` the token ranking
     (made from the first run's training responses, unless `ranking` is given, and kept on resume);
     `workdir/features` the cached target features (rows already computed under `reuse_features`,
-    other runs' `features/` directories, are copied instead of recomputed).
+    other runs' `features/` directories, are copied instead of recomputed); `workdir/best.json` the
+    best validation result so far (teacher-forced accept length), kept across resumes. `on_best`,
+    when given, is called with the parameters each time validation beats it (to export them: the
+    last step is not always the best one).
     """
 
     target: Target
@@ -158,6 +161,7 @@ class Trainer:
     log: Callable[[str], None] = print
     ranking: np.ndarray | None = None
     reuse_features: tuple[Path, ...] = ()
+    on_best: Callable[[dict, dict[str, float]], None] | None = None
 
     def __post_init__(self):
         self.workdir = Path(self.workdir)
@@ -235,6 +239,20 @@ class Trainer:
                                 jnp.asarray(data.loss_mask[idx]), jax.random.fold_in(key, i), **self.static))
         return _mean(ms)
 
+    def best(self) -> dict[str, float] | None:
+        """The best validation result so far (with its step), or None before the first evaluation."""
+        path = self.workdir / "best.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def _note_validation(self, params, ev: dict[str, float]) -> None:
+        best = self.best()
+        if best is not None and ev["accept_len"] <= best["accept_len"]:
+            return
+        if self.on_best is not None:
+            self.on_best(params, ev)
+        (self.workdir / "best.json").write_text(json.dumps(ev, indent=2))
+        self.log(f"step {ev['step']}: best validation so far")
+
     def fit(self, train: TokenDataset, val: TokenDataset | None = None, progress: bool = True) -> LoadedDrafter:
         """Run to `cfg.steps` (resuming if checkpoints exist); returns the trained drafter (fp32).
 
@@ -294,6 +312,7 @@ class Trainer:
                     f.write(json.dumps({"split": "val", **ev}) + "\n")
                 self.log(f"step {step}: val loss {ev['loss']:.3f} | first-token acc {ev['acc_first']:.3f} | "
                          f"teacher-forced tau {ev['accept_len']:.2f}")
+                self._note_validation(params, ev)
             if step % self.cfg.save_every == 0 or step == self.cfg.steps:
                 self._save(mngr, step, params, opt_state)
                 store.flush()
