@@ -67,9 +67,15 @@ def default_target_dir(verbose: bool = True) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
     try:
         convert(gguf, tmp / "ckpt", dtype="float32")
-        if out.exists():
+        if (out / "config.json").is_file():  # another process finished first (and may be reading it)
+            return out
+        if out.exists():  # a leftover that is not a finished conversion
             shutil.rmtree(out)
-        (tmp / "ckpt").rename(out)  # atomic: a half-written conversion is never picked up
+        try:
+            (tmp / "ckpt").rename(out)  # atomic: a half-written conversion is never picked up
+        except OSError:
+            if not (out / "config.json").is_file():  # not a race lost to another conversion
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
