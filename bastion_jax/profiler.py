@@ -181,7 +181,7 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
             for r in range(ROUNDS):
                 w = warmup if r == 0 else 0
                 device_rounds.append(_device_time(full, step, tstate, dstate, box, inactive, key, reps, w))
-                loop_rounds.append(_host_loop(step, tstate, dstate, box, controller, loop_latency, b, c, rng, reps, w))
+                loop_rounds.append(_host_loop(steps, tstate, dstate, box, controller, loop_latency, b, c, rng, reps, w))
             device_s, loop_s = statistics.median(device_rounds), statistics.median(loop_rounds)
             cells.append(dict(bucket=b, context=c, step_s=step_s, device_s=device_s, verify_s=verify_s,
                               forward_s=forward_s, draft_s=draft_s, loop_s=loop_s, host_s=loop_s - device_s))
@@ -210,33 +210,38 @@ def _device_time(full, step, tstate, dstate, box: dict, inactive, key, reps: int
     return (time.perf_counter() - t0) / reps
 
 
-def _host_loop(step, tstate, dstate, box: dict, controller, latency, b: int, c: int, rng, reps: int,
+class _Pinned:
+    """The bastion controller with its choice computed (its cost is part of the host's) and then
+    replaced by one bucket, so the loop times that bucket's step."""
+
+    def __init__(self, controller, bucket: int):
+        self.controller, self.bucket, self.histogram = controller, bucket, controller.histogram
+
+    def choose(self, *args, **kwargs) -> int:
+        self.controller.choose(*args, **kwargs)
+        return self.bucket
+
+
+def _host_loop(steps: dict, tstate, dstate, box: dict, controller, latency, b: int, c: int, rng, reps: int,
                warmup: int) -> float:
-    """Seconds per iteration of the engine's tree decode loop (`Engine.stream`, greedy), bucket pinned
-    to b: the bastion controller's choice (computed, then overridden), dispatch, one device->host read
-    of tokens, counts and curve, the online latency update and the per-row bookkeeping. As in the
-    engine, a greedy step reuses its key and the active mask is sent once (it only changes when a
-    row finishes)."""
+    """Seconds per iteration of the engine's own tree loop (`TreeLoop.step`, greedy) with the bucket
+    pinned to b: the bastion controller's choice (computed, then overridden), dispatch, one
+    device->host read of tokens, counts and curve, the online latency update, plus the engine's
+    per-row slicing of the tokens. As in the engine, a greedy step reuses its key. The device-side
+    active mask is all False, so every iteration runs at context c."""
     import jax
 
     from bastion_jax.sampling import SamplingConfig, sampler
+    from bastion_jax.tree_loop import TreeLoop
 
-    active = np.zeros(1, bool)  # inactive: the context stays at c, as in the other measurements
-    active_dev = jax.device_put(active)
-    lengths = np.full(1, c, np.int32)
+    loop = TreeLoop("bastion", _Pinned(controller, b), None, steps, None, latency, controller.buckets, tstate, dstate,
+                    box["curve"])
+    active, active_dev = np.ones(1, bool), jax.device_put(np.zeros(1, bool))
     params = sampler(rng, SamplingConfig())  # as the engine: made once per request
     t0 = 0.0
-    curve = np.asarray(box["curve"])
     for i in range(warmup + reps):
         if i == warmup:
             t0 = time.perf_counter()
-        controller.choose(curve, c, np.ones(1, bool))
-        ts = time.perf_counter()
-        box["state"], out, box["curve"] = step(tstate, dstate, box["state"], active_dev, params)
-        toks, counts, curve = jax.device_get((out.tokens, out.count, box["curve"]))
-        latency.observe(b, c, time.perf_counter() - ts)
+        box["state"], toks, counts = loop.step(box["state"], active, active_dev, c, lambda: params, look_ahead=False)
         _ = [toks[r, : counts[r]] for r in range(toks.shape[0])]
-        lengths = lengths + np.where(active, counts, 0).astype(np.int32)
     return (time.perf_counter() - t0) / reps
-
-

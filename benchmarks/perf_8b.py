@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--copy-mib", type=int)
     p.add_argument("--matmul-n", type=int)
     p.add_argument("--gen-tokens", type=int, default=32, help="new tokens of the real bastion loop (default 32)")
+    p.add_argument("--prefix-attention", default="auto", choices=["auto", "xla", "pallas"],
+                   help="how steps read the committed prefix: auto (the Pallas kernel on GPU, the XLA loop "
+                        "elsewhere), xla (the chunked loop), pallas (the kernel); run twice to compare")
     p.add_argument("--compilation-cache", help="JAX persistent compilation cache dir (re-runs skip compiles)")
     p.add_argument("--name", help="results file stem (default perf-<arch>-<device>)")
     p.add_argument("--out-dir", default=str(RESULTS))
@@ -162,7 +165,9 @@ def markdown(meta: dict, r: dict, crit: list[dict], prof) -> str:
              f"layers), cache {prof.cache_len} slots, batch 1, median of {meta['reps']}", "",
              f"Measured copy bandwidth {r['bandwidth'] / 1e9:.1f} GB/s, matmul {meta['peaks']['flops'] / 1e12:.2f} "
              f"TFLOP/s; weights {r['weight_bytes'] / 2**30:.2f} GiB. The floor counts the KV of the live context, "
-             f"which is all the attention reads (`attention.attend_split`), whatever the cache size.",
+             f"which is all the attention reads (`attention.attend_split`), whatever the cache size. Committed "
+             f"prefix read by: {meta.get('prefix_attention', {}).get('target_steps', 'xla')} "
+             f"(--prefix-attention {meta.get('prefix_attention', {}).get('mode', 'auto')}).",
              "",
              "| criterion | value | target | pass |", "|---|---|---|---|"]
     for c in crit:
@@ -205,12 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     from bastion_jax.checkpoints import CheckpointError
     from bastion_jax.config import ConfigError
     from bastion_jax.engine import GenerationError
+    from bastion_jax.modeling.attention import prefix_kernel_mode, set_prefix_kernel
     from bastion_jax.profile import ProfileError, setup
     from bastion_jax.profile_report import device_meta, plot
     from bastion_jax.profiler import run_profile
 
     # The profiler's flags, so `setup` validates and builds exactly as `python -m bastion_jax.profile`.
     args.peaks = "measure"
+    set_prefix_kernel(args.prefix_attention)
     try:
         s = setup(args, log)
         engine = s.engine
@@ -218,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                            progress=not args.quiet)
         r = ratios(engine, prof)
         meta = device_meta(engine, s.label, s.model_name, args.reps, args.warmup)
+        tcfg = engine.target.config
+        meta["prefix_attention"] = {"mode": args.prefix_attention,
+                                    "target_steps": prefix_kernel_mode(tcfg.head_dim, s.cache_len) or "xla"}
         # The real decode loop, with everything already compiled: its own compile counters must stay 0.
         res = engine.generate([[1] * 16], max_new_tokens=args.gen_tokens, mode="bastion", max_len=s.cache_len)
     except (ProfileError, CheckpointError, ConfigError, GenerationError, ValueError) as e:

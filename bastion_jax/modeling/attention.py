@@ -125,8 +125,45 @@ def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: j
 
     Returns [b, t, q_heads * d]; equal to `attend` over [prefix | new] up to float rounding."""
     qg = _group(q, k.shape[2])
-    part = prefix(empty(q, k.shape[2]), qg, k_cache, v_cache, length, prefix_chunk)
+    kernel = prefix_kernel_mode(q.shape[-1], k_cache.shape[1])
+    if kernel is None:
+        part = prefix(empty(q, k.shape[2]), qg, k_cache, v_cache, length, prefix_chunk)
+    else:
+        from bastion_jax.modeling import prefix_kernel
+
+        part = prefix_kernel.prefix(qg, k_cache, v_cache, length, interpret=kernel == "interpret")
     return finish(new_keys(part, qg, k, v, mask, new_chunk), q.dtype)
+
+
+# -- the prefix kernel switch --------------------------------------------------------------------
+# Read when a step is traced, so it applies to the steps compiled after it is set.
+_PREFIX_KERNEL = "auto"
+PREFIX_KERNEL_MODES = ("auto", "xla", "pallas", "interpret")
+
+
+def set_prefix_kernel(mode: str) -> str:
+    """How `attend_split` reads the committed prefix in the steps compiled from now on: "auto" (the
+    Pallas kernel on GPU, the XLA loop elsewhere), "xla" (the loop), "pallas" (the kernel), or
+    "interpret" (the kernel through the Pallas interpreter: any backend, slow; for tests).
+    Returns the previous mode."""
+    global _PREFIX_KERNEL
+    if mode not in PREFIX_KERNEL_MODES:
+        raise ValueError(f"unknown prefix attention mode {mode!r} (one of {', '.join(PREFIX_KERNEL_MODES)})")
+    old, _PREFIX_KERNEL = _PREFIX_KERNEL, mode
+    return old
+
+
+def prefix_kernel_mode(head_dim: int, slots: int) -> str | None:
+    """None (the XLA loop), "pallas" or "interpret" for a step of these shapes under the current mode
+    (shapes the kernel does not take keep the loop)."""
+    from bastion_jax.modeling import prefix_kernel
+
+    mode = _PREFIX_KERNEL
+    if mode == "auto":
+        mode = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if mode == "xla" or not prefix_kernel.usable(head_dim, slots):
+        return None
+    return mode
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

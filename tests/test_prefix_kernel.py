@@ -1,0 +1,120 @@
+"""The Pallas prefix kernel (the GPU path of `attend_split`), run through the Pallas interpreter on CPU:
+the same partial as the XLA loop, the same attention as the dense reference, and the same greedy
+output as AR when a whole model decodes with it."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bastion_jax.modeling import attention, prefix_kernel
+from bastion_jax.modeling.attention import _group, attend, attend_split, empty, set_prefix_kernel
+from bastion_jax.modeling.cache import causal_mask, write_rows
+
+
+@pytest.fixture
+def interpreted():
+    old = set_prefix_kernel("interpret")
+    yield
+    set_prefix_kernel(old)
+
+
+def _inputs(rng, b, t, slots, hq=4, hkv=2, d=16, dtype=jnp.float32):
+    q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
+    k_cache = jnp.asarray(rng.normal(size=(b, slots, hkv, d)) * 3, dtype)
+    v_cache = jnp.asarray(rng.normal(size=(b, slots, hkv, d)), dtype)
+    return q, k_cache, v_cache
+
+
+@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("lengths", [[0, 1, 63, 64], [65, 200, 255, 256]])
+def test_kernel_partial_equals_the_xla_loop(t, lengths):
+    """Lengths at, around and between key blocks (64) and splits; 0 = nothing committed yet."""
+    rng = np.random.default_rng(t)
+    q, k_cache, v_cache = _inputs(rng, len(lengths), t, 256)
+    length = jnp.asarray(lengths, jnp.int32)
+    qg = _group(q, k_cache.shape[2])
+    want = attention.prefix(empty(q, k_cache.shape[2]), qg, k_cache, v_cache, length)
+    got = prefix_kernel.prefix(qg, k_cache, v_cache, length, interpret=True)
+    seen = np.asarray(lengths) > 0
+    for name in ("m", "l", "acc"):
+        g, w = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+        np.testing.assert_allclose(g[seen], w[seen], rtol=2e-5, atol=2e-5, err_msg=name)
+    assert (np.asarray(got.l)[~seen] == 0).all() and (np.asarray(got.acc)[~seen] == 0).all()
+
+
+def test_stale_slots_never_reach_the_output():
+    rng = np.random.default_rng(0)
+    q, k_cache, v_cache = _inputs(rng, 2, 3, 128)
+    length = jnp.asarray([10, 70], jnp.int32)
+    qg = _group(q, 2)
+    clean = prefix_kernel.prefix(qg, k_cache, v_cache, length, interpret=True)
+    dirty = prefix_kernel.prefix(qg, k_cache.at[:, 70:].set(jnp.nan).at[0, 10:].set(jnp.nan),
+                                 v_cache.at[:, 70:].set(jnp.nan).at[0, 10:].set(jnp.nan), length, interpret=True)
+    for name in ("m", "l", "acc"):
+        np.testing.assert_array_equal(np.asarray(getattr(clean, name)), np.asarray(getattr(dirty, name)))
+
+
+def test_split_attention_with_the_kernel_equals_dense(interpreted):
+    """Prefix by the kernel + a tree-masked new part, merged: the dense attention over [prefix | new]."""
+    rng = np.random.default_rng(1)
+    b, t, slots = 2, 4, 192
+    q, k_cache, v_cache = _inputs(rng, b, t, slots)
+    k_new = jnp.asarray(rng.normal(size=(b, t, 2, 16)) * 3, jnp.float32)
+    v_new = jnp.asarray(rng.normal(size=(b, t, 2, 16)), jnp.float32)
+    tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)  # node -> its ancestors
+    mask = jnp.asarray(np.broadcast_to(tree, (b, t, t)))
+    lengths = np.array([30, 150])
+    assert attention.prefix_kernel_mode(16, slots) == "interpret"
+    got = attend_split(q, k_cache, v_cache, jnp.asarray(lengths, jnp.int32), k_new, v_new, mask)
+    dense = np.zeros((b, t, slots), bool)
+    for r, n in enumerate(lengths):
+        dense[r, :, :n] = True
+        dense[r, :, n:n + t] = tree
+    want = attend(q, write_rows(k_cache, k_new, jnp.asarray(lengths)), write_rows(v_cache, v_new, jnp.asarray(lengths)),
+                  jnp.asarray(dense))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_shapes_the_kernel_does_not_take_keep_the_loop(interpreted):
+    assert attention.prefix_kernel_mode(16, 256) == "interpret"
+    assert attention.prefix_kernel_mode(24, 256) is None  # head_dim not a power of two
+    assert attention.prefix_kernel_mode(64, 200) is None  # cache not whole key blocks
+    set_prefix_kernel("auto")
+    assert attention.prefix_kernel_mode(64, 256) is None  # auto on CPU: the XLA loop
+    with pytest.raises(ValueError, match="unknown prefix attention mode"):
+        set_prefix_kernel("triton")
+
+
+@pytest.mark.parametrize("mode", ["dflash", "fixed:8"])
+def test_greedy_decoding_with_the_kernel_equals_ar(converted, interpreted, mode):
+    """A whole tiny model (target and drafter attention) decoding with the interpreted kernel."""
+    from bastion_jax.checkpoints import random_drafter
+    from bastion_jax.engine import Engine
+    from bastion_jax.testing import tiny_drafter_config
+
+    _, target = converted("qwen3")
+    assert target.config.head_dim & (target.config.head_dim - 1) == 0
+    drafter = random_drafter(tiny_drafter_config(target.config, num_layers=1, block_size=4), seed=3)
+    prompts = [[5, 17, 3, 9], [7, 7, 2]]
+    set_prefix_kernel("xla")
+    ar = Engine(target, stop_ids=[-1]).generate(prompts, max_new_tokens=12).tokens
+    set_prefix_kernel("interpret")
+    out = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 8)).generate(prompts, max_new_tokens=12, mode=mode)
+    assert out.tokens == ar
+
+
+@pytest.mark.parametrize("dtype,t,hq,hkv,d,slots", [(jnp.bfloat16, 64, 32, 8, 128, 8192),  # Qwen3-8B, verify(64)
+                                                   (jnp.float32, 1, 9, 3, 64, 512)])  # SmolLM2, an AR step
+def test_kernel_lowers_to_triton_for_cuda(dtype, t, hq, hkv, d, slots):
+    """No GPU needed: lowering for the CUDA platform runs the Pallas -> Triton lowering of the kernel
+    body (what a GPU compiles from), so an op Triton cannot take fails here."""
+    import jax
+
+    qg = jax.ShapeDtypeStruct((2, t, hkv, hq // hkv, d), dtype)
+    cache = jax.ShapeDtypeStruct((2, slots, hkv, d), dtype)
+    length = jax.ShapeDtypeStruct((2,), jnp.int32)
+    check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    exported = jax.export.export(jax.jit(prefix_kernel.prefix), platforms=["cuda"], disabled_checks=[check])(
+        qg, cache, cache, length)
+    calls = [line for line in exported.mlir_module().splitlines() if "__gpu$xla.gpu.triton" in line]
+    assert len(calls) == 1 and 'name = "bastion_prefix_attention"' in calls[0]
