@@ -118,3 +118,31 @@ def test_kernel_lowers_to_triton_for_cuda(dtype, t, hq, hkv, d, slots):
         qg, cache, cache, length)
     calls = [line for line in exported.mlir_module().splitlines() if "__gpu$xla.gpu.triton" in line]
     assert len(calls) == 1 and 'name = "bastion_prefix_attention"' in calls[0]
+
+
+def test_a_whole_tree_step_lowers_for_cuda_with_the_kernel(converted):
+    """The tree step (verify + accept + compact + draft) traced for CUDA with the kernel on: target and
+    drafter attention both become the Triton kernel, and nothing else in the step blocks GPU lowering."""
+    import jax
+
+    from bastion_jax import tree_decoding
+    from bastion_jax.checkpoints import random_drafter
+    from bastion_jax.engine import Engine
+    from bastion_jax.sampling import SamplingConfig
+    from bastion_jax.testing import tiny_drafter_config
+
+    _, target = converted("qwen3")
+    drafter = random_drafter(tiny_drafter_config(target.config, num_layers=1, block_size=4), seed=3)
+    exe = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 8)).executables
+    args = exe._tree_step_args(exe.config(SamplingConfig()), 1, 256)
+    old = set_prefix_kernel("pallas")
+    try:
+        check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+        exported = jax.export.export(tree_decoding.tree_step, platforms=["cuda"], disabled_checks=[check])(
+            *args, bucket=8)
+    finally:
+        set_prefix_kernel(old)
+    kernels = {line.split('name = "')[1].split('"')[0] for line in exported.mlir_module().splitlines()
+               if "__gpu$xla.gpu.triton" in line}
+    assert kernels == {"bastion_prefix_attention"}
+    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 2  # the target's shape and the drafter's
