@@ -38,6 +38,8 @@ BASELINE = "3c2b866"  # the trainer before issue 13 (target in the step, full-vo
 OLD = dict(batch_size=4, seq_len=320, num_anchors=32, lr=1e-3)  # the shipped drafter's training.json
 LAYERS, BLOCK, TAPS = 2, 16, 3
 
+SHAPED = "NEW at the training runs' shape (v4, v5): 8 x 384 tokens, 48 anchors per row"
+
 # The current trainer, one lever at a time (each adds to the previous row); the last row is the new configuration.
 LADDER = [
     ("new code, old settings (features every step, full vocab, float32)",
@@ -47,6 +49,8 @@ LADDER = [
     ("+ bf16 matmuls, float32 accumulation = NEW", dict(cache_features=True, draft_vocab=8192, matmul_dtype="bfloat16")),
     ("NEW, first epoch (features computed in the loop)",
      dict(cache_features=False, draft_vocab=8192, matmul_dtype="bfloat16")),
+    (SHAPED, dict(cache_features=True, draft_vocab=8192, matmul_dtype="bfloat16", batch_size=8, seq_len=384,
+                  num_anchors=48)),
 ]
 
 
@@ -106,14 +110,17 @@ def worker_new(data_path: str, steps: int, variants: list[int]) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from bastion_jax.training import Trainer, TrainConfig, batch_indices, train_step
+    from bastion_jax.training import TokenDataset, Trainer, TrainConfig, batch_indices, train_step
 
     target, data, drafter = _common(data_path)
     workdir = Path(tempfile.mkdtemp(prefix="train-throughput-"))
     out = []
     for v in variants:
         name, levers = LADDER[v]
-        cfg = TrainConfig(steps=1000, **OLD, **levers)
+        cfg = TrainConfig(steps=1000, **{**OLD, **levers})
+        if cfg.seq_len != data.tokens.shape[1]:  # another shape: its own rows and feature store
+            data = TokenDataset.from_files([data_path], cfg.seq_len, target.config.vocab_size)
+            workdir = Path(tempfile.mkdtemp(prefix="train-throughput-"))
         trainer = Trainer(target, drafter, cfg, workdir, log=lambda m: None)
         trainer.prepare(data)
         store = trainer.feature_store(data, "train")
@@ -221,6 +228,11 @@ def markdown(res: dict) -> str:
                      f"{row['positions_per_s']:.0f} | {row['speedup']:.2f} |")
     lines += ["", f"**New / old: {res['speedup']:.2f}x** (cached features, top-8192 loss, bf16 matmuls, "
               "context + own-block attention)."]
+    if res.get("speedup_at_training_shape"):
+        lines += ["", f"At the shape the drafters are trained with (8 x 384 tokens, 48 anchors per row): "
+                  f"{res['speedup_at_training_shape']:.2f}x the old trainer at its shipped shape, with "
+                  f"{res['positions_ratio_at_training_shape']:.1f}x the positions per step (longer rows and more "
+                  "blocks per row cost a little more per position)."]
     if res.get("feature_fill_s_per_sequence"):
         lines += ["", f"One-off cost of caching a sequence's target features (first epoch): "
                   f"{res['feature_fill_s_per_sequence']:.2f} s per {OLD['seq_len']}-token sequence."]
@@ -280,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in mean:
         row["speedup"] = row["positions_per_s"] / mean[0]["positions_per_s"]
     new_row = next(r for r in mean if r["config"].endswith("= NEW"))
+    shaped = next((r for r in mean if r["config"] == SHAPED), None)
     fills = [x["feature_fill_s_per_sequence"] for rd in rounds for x in rd if "feature_fill_s_per_sequence" in x]
     res = {"name": args.name, "device": device(), "date": datetime.date.today().isoformat(),
            "commit": git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--",
@@ -287,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
            "baseline": args.baseline, "data": str(Path(args.data).resolve().relative_to(REPO)
                                                     if Path(args.data).resolve().is_relative_to(REPO) else args.data),
            "steps": args.steps, "rounds": args.rounds, "per_round": rounds, "mean": mean,
-           "speedup": new_row["speedup"], "feature_fill_s_per_sequence": sum(fills) / len(fills) if fills else None}
+           "speedup": new_row["speedup"], "speedup_at_training_shape": shaped and shaped["speedup"],
+           "positions_ratio_at_training_shape": shaped and shaped["positions_per_step"] / new_row["positions_per_step"],
+           "feature_fill_s_per_sequence": sum(fills) / len(fills) if fills else None}
     if args.learn:
         print(f"learning check: {args.learn} steps float32 vs bf16 ...", file=sys.stderr, flush=True)
         res["learn"] = run_worker(REPO, ["learn", "--data", common[1], "--steps", str(args.learn)])
