@@ -1,8 +1,16 @@
 import os
+import tempfile
 
 # Tests run on CPU with fp32 matmuls at full precision so parity tolerances are meaningful.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# Most of the suite's time is XLA compiling the same steps again (in both xdist workers, in the CLI
+# subprocesses, in the next run): JAX's persistent compilation cache keeps each executable once, keyed
+# by its HLO and compile options, so a hit is the very executable a compile would give. Capped at 4 GiB.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"bastion_jax-tests-xla-cache-{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 import pytest  # noqa: E402
 
