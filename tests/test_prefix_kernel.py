@@ -2,13 +2,14 @@
 the same partial as the XLA loop, the same attention as the dense reference, and the same greedy
 output as AR when a whole model decodes with it."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from bastion_jax.modeling import attention, prefix_kernel
 from bastion_jax.modeling.attention import _group, attend, attend_split, empty, set_prefix_kernel
-from bastion_jax.modeling.cache import causal_mask, write_rows
+from bastion_jax.modeling.cache import write_rows
 
 
 @pytest.fixture
@@ -108,8 +109,6 @@ def test_greedy_decoding_with_the_kernel_equals_ar(converted, interpreted, mode)
 def test_kernel_lowers_to_triton_for_cuda(dtype, t, hq, hkv, d, slots):
     """No GPU needed: lowering for the CUDA platform runs the Pallas -> Triton lowering of the kernel
     body (what a GPU compiles from), so an op Triton cannot take fails here."""
-    import jax
-
     qg = jax.ShapeDtypeStruct((2, t, hkv, hq // hkv, d), dtype)
     cache = jax.ShapeDtypeStruct((2, slots, hkv, d), dtype)
     length = jax.ShapeDtypeStruct((2,), jnp.int32)
@@ -123,8 +122,6 @@ def test_kernel_lowers_to_triton_for_cuda(dtype, t, hq, hkv, d, slots):
 def test_a_whole_tree_step_lowers_for_cuda_with_the_kernel(converted):
     """The tree step (verify + accept + compact + draft) traced for CUDA with the kernel on: target and
     drafter attention both become the Triton kernel, and nothing else in the step blocks GPU lowering."""
-    import jax
-
     from bastion_jax import tree_decoding
     from bastion_jax.checkpoints import random_drafter
     from bastion_jax.engine import Engine
@@ -146,3 +143,20 @@ def test_a_whole_tree_step_lowers_for_cuda_with_the_kernel(converted):
                if "__gpu$xla.gpu.triton" in line}
     assert kernels == {"bastion_prefix_attention"}
     assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 2  # the target's shape and the drafter's
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiles the kernel for a GPU (benchmarks/gpu_session.sh)")
+@pytest.mark.parametrize("dtype,t,lengths", [(jnp.bfloat16, 64, [1, 700, 2048, 8191]), (jnp.float32, 1, [0, 64, 65, 3000])])
+def test_compiled_kernel_equals_the_xla_loop_on_gpu(dtype, t, lengths):
+    """The kernel as a GPU runs it (Triton, not interpreted) at Qwen3-8B head shapes."""
+    rng = np.random.default_rng(7)
+    q, k_cache, v_cache = _inputs(rng, len(lengths), t, 8192, hq=32, hkv=8, d=128, dtype=dtype)
+    length = jnp.asarray(lengths, jnp.int32)
+    qg = _group(q, 8)
+    want = attention.prefix(empty(q, 8), qg, k_cache, v_cache, length)
+    got = prefix_kernel.prefix(qg, k_cache, v_cache, length)
+    seen = np.asarray(lengths) > 0
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    out_got = np.asarray(got.acc)[seen] / np.asarray(got.l)[seen][..., None]
+    out_want = np.asarray(want.acc)[seen] / np.asarray(want.l)[seen][..., None]
+    np.testing.assert_allclose(out_got, out_want, rtol=tol, atol=tol)

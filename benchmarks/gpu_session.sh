@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# What to run when a session is lent a GPU (the device tool), one step per call, calls back to back:
+# each step ends inside the 10-minute limit of one command and writes what it measured under $OUT.
+#
+#   bash benchmarks/gpu_session.sh check    # versions; the prefix kernel compiled for this GPU vs the XLA loop
+#   bash benchmarks/gpu_session.sh perf     # perf_8b at Qwen3-8B shapes (random bf16 weights), Pallas kernel
+#   bash benchmarks/gpu_session.sh perf-xla # the same with the XLA prefix loop, to compare
+#
+# Nothing is installed: the machine's image has JAX (CUDA), Flax, Optax, Orbax, safetensors and
+# tokenizers, and random-weight runs need nothing else (gguf is imported only to read a GGUF). The
+# repo runs from its checkout (PYTHONPATH), so `pip install` and its version pins are skipped.
+# Copy the results from $OUT into benchmarks/results/ and commit them with the device and date.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT="${OUT:-benchmarks/results}"
+mkdir -p "$OUT"
+step="${1:?usage: gpu_session.sh check|perf|perf-xla}"
+
+case "$step" in
+  check)
+    python3 -c "import jax, flax, optax, orbax.checkpoint as o; print('jax', jax.__version__, 'flax', flax.__version__, \
+'optax', optax.__version__, 'orbax', o.__version__, jax.devices())" | tee "$OUT/gpu-versions.txt"
+    # -n 0: one process owns the GPU; JAX_PLATFORMS=cuda, or the tests' conftest would pick the CPU.
+    JAX_PLATFORMS=cuda python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_prefix_kernel.py 2>&1 \
+      | tee "$OUT/gpu-kernel-tests.log"
+    ;;
+  perf | perf-xla)
+    mode=pallas
+    [ "$step" = perf-xla ] && mode=xla
+    python3 -m benchmarks.perf_8b --prefix-attention "$mode" --buckets 1,16,32,64,128,256 --contexts 1024,2048 \
+      --name "perf-qwen3-8b-$mode" --out-dir "$OUT" --compilation-cache /tmp/jax-cache 2>&1 | tee "$OUT/perf-$mode.log"
+    ;;
+  *)
+    echo "unknown step $step (check, perf, perf-xla)" >&2
+    exit 2
+    ;;
+esac
