@@ -84,6 +84,11 @@ class TargetConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # How the decoder layers run, not a property of the checkpoint (never in config.json): one stacked
+    # module under a scan (compiles once whatever the depth; the GPU default) or unrolled (XLA on CPU
+    # copies each layer's weight slice out of a stack, so unrolled steps are faster there).
+    # `checkpoints.layer_layout` picks it per backend.
+    scan_layers: bool = False
 
     @property
     def qk_norm(self) -> bool:

@@ -150,11 +150,13 @@ def setup(args, log=lambda msg: None) -> Setup:
     if args.arch:
         import jax
 
+        from bastion_jax.checkpoints import layer_layout
         from bastion_jax.presets import preset_configs, random_models
 
         if dtype is None:  # random weights have no dtype of their own
             dtype = jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
         tcfg, dcfg = preset_configs(args.arch, args.layers, args.drafter_layers, args.block_size)
+        tcfg = layer_layout(tcfg)  # scanned layers off CPU, as load_target picks for a real checkpoint
         cache_len = plan_cache_len(contexts, buckets, dcfg.block_size, tcfg.max_position_embeddings, args.max_len)
         log(f"building {args.arch} ({tcfg.num_hidden_layers} layers, {tcfg.param_count() / 1e6:.0f}M params) + "
             f"{dcfg.num_hidden_layers}-layer drafter, random {jnp.dtype(dtype).name} weights")

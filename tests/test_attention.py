@@ -105,8 +105,9 @@ def test_prefix_loop_stops_at_the_live_context():
     np.testing.assert_allclose(np.asarray(jitted(k_cache, v_cache)), np.asarray(clean), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("scan", [False, True])  # per-layer caches, unrolled layers | a stacked cache, scanned
 @pytest.mark.parametrize("slots", [200, 328])  # below one prefix chunk (one read) and over it (the loop)
-def test_compiled_steps_never_copy_a_cache_buffer(slots):
+def test_compiled_steps_never_copy_a_cache_buffer(slots, scan):
     """Per step, only the new slots of a (donated) cache are written: no whole-buffer copy of any layer's
     K/V in the compiled AR, tree (incl. a root-only tree) and root steps. Regressions here cost a full
     cache read + write per layer per step (4.6x the AR step at an 8192-slot cache on CPU)."""
@@ -116,8 +117,10 @@ def test_compiled_steps_never_copy_a_cache_buffer(slots):
     from bastion_jax.presets import preset_configs, random_models
     from bastion_jax.sampling import SamplingConfig
 
+    from bastion_jax.checkpoints import layer_layout
+
     tcfg, dcfg = preset_configs("smollm2-135m", 2, 1, 4)
-    target, drafter = random_models(tcfg, dcfg, jnp.float32, 0)
+    target, drafter = random_models(layer_layout(tcfg, scan), dcfg, jnp.float32, 0)
     exe = Executables(target, drafter, proposal=None, block_size=4, mask_token_id=0, buckets=(1, 4), top_k=8,
                       draft_vocab=None)
     # (cache lengths no other array of these steps has)
@@ -126,7 +129,7 @@ def test_compiled_steps_never_copy_a_cache_buffer(slots):
     roots = exe.roots(1, slots, SamplingConfig())
     compiled = {"decode": decode, **{f"tree_step({b})": s.exe for b, s in steps.items()},
                 **{f"root_step({t})": r.exe for t, r in roots.items()}}
-    copy = re.compile(r"= \w+\[1,%d,\d+,\d+\]\{[^}]*\} copy\(" % slots)
+    copy = re.compile(r"= \w+\[(\d+,)?1,%d,\d+,\d+\]\{[^}]*\} copy\(" % slots)  # ([layers,] 1, slots, ...)
     for name, exe_ in compiled.items():
         copies = [line.strip() for line in exe_.as_text().splitlines() if copy.search(line)]
         assert not copies, (name, copies[:2])

@@ -43,6 +43,23 @@ def test_kernel_partial_equals_the_xla_loop(t, lengths):
     assert (np.asarray(got.l)[~seen] == 0).all() and (np.asarray(got.acc)[~seen] == 0).all()
 
 
+def test_kernel_reads_one_layer_of_a_stacked_cache():
+    """With scanned layers the cache is [layers, b, slots, kv, d]: the kernel reads layer `layer` (a traced
+    index inside the scan) in place, as the loop does."""
+    rng = np.random.default_rng(4)
+    q, _, _ = _inputs(rng, 2, 3, 128)
+    k_stack = jnp.asarray(rng.normal(size=(3, 2, 128, 2, 16)) * 3, jnp.float32)
+    v_stack = jnp.asarray(rng.normal(size=(3, 2, 128, 2, 16)), jnp.float32)
+    length = jnp.asarray([10, 100], jnp.int32)
+    qg = _group(q, 2)
+    for layer in (0, 2):
+        want = attention.prefix(empty(q, 2), qg, k_stack[layer], v_stack[layer], length)
+        got = jax.jit(lambda i: prefix_kernel.prefix(qg, k_stack, v_stack, length, i, interpret=True))(jnp.int32(layer))
+        for name in ("m", "l", "acc"):
+            np.testing.assert_allclose(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), rtol=2e-5,
+                                       atol=2e-5, err_msg=f"{name} layer {layer}")
+
+
 def test_stale_slots_never_reach_the_output():
     rng = np.random.default_rng(0)
     q, k_cache, v_cache = _inputs(rng, 2, 3, 128)
@@ -119,7 +136,8 @@ def test_kernel_lowers_to_triton_for_cuda(dtype, t, hq, hkv, d, slots):
     assert len(calls) == 1 and 'name = "bastion_prefix_attention"' in calls[0]
 
 
-def test_a_whole_tree_step_lowers_for_cuda_with_the_kernel(converted):
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_whole_tree_step_lowers_for_cuda_with_the_kernel(converted, scan):
     """The tree step (verify + accept + compact + draft) traced for CUDA with the kernel on: target and
     drafter attention both become the Triton kernel, and nothing else in the step blocks GPU lowering."""
     from bastion_jax import tree_decoding
@@ -128,7 +146,10 @@ def test_a_whole_tree_step_lowers_for_cuda_with_the_kernel(converted):
     from bastion_jax.sampling import SamplingConfig
     from bastion_jax.testing import tiny_drafter_config
 
+    from bastion_jax.checkpoints import load_target
+
     _, target = converted("qwen3")
+    target = load_target(target.path, jnp.float32, scan_layers=scan)
     drafter = random_drafter(tiny_drafter_config(target.config, num_layers=1, block_size=4), seed=3)
     exe = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 8)).executables
     args = exe._tree_step_args(exe.config(SamplingConfig()), 1, 256)

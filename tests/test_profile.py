@@ -258,11 +258,14 @@ def test_compile_time_from_shapes_only(tmp_path, capsys):
     assert compile_time.main(["--arch", "smollm2-135m", "--layers", "1,2", "--bucket", "4", "--cache-len", "64",
                               "--dtype", "float32", "--out-dir", str(tmp_path), "--name", "ct"]) == 0
     raw = json.loads((tmp_path / "ct.json").read_text())
-    assert [r["layers"] for r in raw["runs"]] == [1, 2]
+    assert [(r["layout"], r["layers"]) for r in raw["runs"]] == [("unrolled", 1), ("unrolled", 2), ("scanned", 1),
+                                                                 ("scanned", 2)]
     for r in raw["runs"]:
         for step in ("decode", "tree_step(4)"):
             assert finite_positive(r[step]["lower_s"]) and finite_positive(r[step]["compile_s"])
-    assert set(raw["ratios"]) == {"decode", "tree_step(4)"} and "Ratio 2 / 1 layers" in capsys.readouterr().out
+    assert set(raw["ratios"]) == {"unrolled", "scanned"}
+    assert all(set(r) == {"decode", "tree_step(4)"} for r in raw["ratios"].values())
+    assert "Ratio 2 / 1 layers, scanned" in capsys.readouterr().out
 
 
 def test_install_is_found_by_generate_however_the_paths_are_spelled(tmp_path, monkeypatch, capsys):

@@ -1,5 +1,10 @@
 """The naming rule: HF name minus a leading `model.` == our NNX state path joined by dots.
 
+One twist: the target's decoder layers are stacked (`layers.<name>` holds every layer's `<name>` on
+a leading axis, so the forward scans them), while checkpoints, HF's and ours alike, keep one tensor
+per layer (`layers.{i}.<name>`). `unstack_layers` / `stack_layers` convert between the two on
+nested dicts; names are always checked and stored per layer.
+
 `build_params` checks every tensor the model needs against the abstract model (names and shapes)
 before anything is kept, so a wrong checkpoint fails with the offending name, not deep in XLA.
 """
@@ -29,9 +34,43 @@ def name_to_path(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in name.split("."))
 
 
+def is_stacked(tree: dict) -> bool:
+    """Whether `tree["layers"]` holds stacked layers (named children) rather than one per index."""
+    layers = tree.get("layers")
+    return isinstance(layers, dict) and bool(layers) and not any(isinstance(k, int) for k in layers)
+
+
+def unstack_layers(tree: dict) -> dict:
+    """Stacked `layers` ([num_layers, ...] leaves, arrays or ShapeDtypeStructs) -> `layers[i]`, per
+    layer as checkpoints store them; any other tree is returned as it is."""
+    if not is_stacked(tree):
+        return tree
+
+    def row(a, i):
+        return jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a[i]
+
+    n = jax.tree.leaves(tree["layers"])[0].shape[0]
+    return {**tree, "layers": {i: jax.tree.map(lambda a: row(a, i), tree["layers"]) for i in range(n)}}
+
+
+def stack_layers(tree: dict) -> dict:
+    """Per-layer `layers[i]` -> stacked `layers` (the inverse of `unstack_layers`)."""
+    layers = tree["layers"]
+    rows = [layers[i] for i in range(len(layers))]
+    return {**tree, "layers": jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]), *rows)}
+
+
+def match_layout(params: dict, like: dict) -> dict:
+    """`params` in the layer layout of `like` (a model's pure-dict state): stacked or per layer."""
+    if is_stacked(like) and not is_stacked(params):
+        return stack_layers(params)
+    return unstack_layers(params) if is_stacked(params) and not is_stacked(like) else params
+
+
 def expected_shapes(abstract_state: nnx.State) -> dict[str, tuple[int, ...]]:
-    """Flat `name -> shape` for every parameter of an (abstract) model state."""
-    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract_state))[0]
+    """Flat `name -> shape` for every parameter of an (abstract) model state, per layer."""
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(abstract_state))
+    flat = jax.tree_util.tree_flatten_with_path(unstack_layers(shapes))[0]
     return {path_to_name(tuple(getattr(k, "key", k) for k in kp)): tuple(v.shape) for kp, v in flat}
 
 
@@ -63,4 +102,4 @@ def build_params(source: Source, abstract_state: nnx.State, dtype: jnp.dtype) ->
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = np.asarray(arr).astype(dtype)  # cast one tensor at a time
-    return nested
+    return match_layout(nested, nnx.to_pure_dict(abstract_state))

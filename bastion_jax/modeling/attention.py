@@ -63,37 +63,52 @@ def update(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, visible: ja
     return Partial(m, part.l * scale + p.sum(axis=-1), part.acc * scale[..., None] + pv)
 
 
-def chunked(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, n_chunks: jax.Array | int, chunk: int,
+def chunked(part: Partial, qg: jax.Array, read: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]],
+            size: int, n_chunks: jax.Array | int, chunk: int,
             visible: Callable[[jax.Array, jax.Array], jax.Array]) -> Partial:
-    """Fold keys k, v [b, S, kv_heads, d] in `n_chunks` trips of `chunk` slots (a traced count stops
-    the loop at the live context). visible(slots [chunk], first [1]) -> [b, t or 1, chunk] says which
-    of the chunk's slots each query sees; slots before `first` were folded by the previous trip (the
-    last chunk is shifted back to fit in S, never clamped past it)."""
-    size = k.shape[1]
+    """Fold `size` keys in `n_chunks` trips of `chunk` slots (a traced count stops the loop at the
+    live context). read(start, chunk) -> k, v [b, chunk, kv_heads, d] of slots start..; visible(slots
+    [chunk], first [1]) -> [b, t or 1, chunk] says which of the chunk's slots each query sees; slots
+    before `first` were folded by the previous trip (the last chunk is shifted back to fit in
+    `size`, never clamped past it)."""
     chunk = min(chunk, size)
 
     def body(i, part):
         first = i * chunk
         start = jnp.minimum(first, size - chunk)
-        slots = start + jnp.arange(chunk)  # [chunk]
-        k_c = jax.lax.dynamic_slice_in_dim(k, start, chunk, axis=1)  # [b, chunk, kv_heads, d]
-        v_c = jax.lax.dynamic_slice_in_dim(v, start, chunk, axis=1)
-        return update(part, qg, k_c, v_c, visible(slots, first))
+        k_c, v_c = read(start, chunk)
+        return update(part, qg, k_c, v_c, visible(start + jnp.arange(chunk), first))
 
     return jax.lax.fori_loop(0, n_chunks, body, part)
 
 
 def prefix(part: Partial, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array,
-           chunk: int = PREFIX_CHUNK) -> Partial:
-    """Fold the committed prefix: cache slots < length[b] of k_cache, v_cache [b, max_len, kv_heads, d]."""
-    size = k_cache.shape[1]
-    step = min(chunk, size)
-    n_chunks = (jnp.max(length) + step - 1) // step  # trips up to the batch's last live slot
+           chunk: int = PREFIX_CHUNK, layer: int | jax.Array | None = None) -> Partial:
+    """Fold the committed prefix: cache slots < length[b] of k_cache, v_cache [b, max_len, kv_heads, d],
+    or with `layer`, of that layer of stacked caches [layers, b, max_len, kv_heads, d], read chunk by
+    chunk straight from the stacked buffer."""
 
     def visible(slots, first):
         return ((slots >= first)[None] & (slots[None] < length[:, None]))[:, None, :]  # [b, 1, chunk]
 
-    return chunked(part, qg, k_cache, v_cache, n_chunks, step, visible)
+    if layer is None:
+        size = k_cache.shape[1]
+
+        def read(start, n):
+            return (jax.lax.dynamic_slice_in_dim(k_cache, start, n, axis=1),
+                    jax.lax.dynamic_slice_in_dim(v_cache, start, n, axis=1))
+    else:
+        _, b, size, hkv, d = k_cache.shape
+        if size <= chunk:  # one read covers the cache (a loop over a whole-buffer slice makes XLA copy the cache)
+            k_l, v_l = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (k_cache, v_cache))
+            return update(part, qg, k_l, v_l, (jnp.arange(size)[None] < length[:, None])[:, None, :])
+
+        def read(start, n):
+            at, shape = (layer, 0, start, 0, 0), (1, b, n, hkv, d)
+            return jax.lax.dynamic_slice(k_cache, at, shape)[0], jax.lax.dynamic_slice(v_cache, at, shape)[0]
+    step = min(chunk, size)
+    n_chunks = (jnp.max(length) + step - 1) // step  # trips up to the batch's last live slot
+    return chunked(part, qg, read, size, n_chunks, step, visible)
 
 
 def new_keys(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
@@ -107,7 +122,10 @@ def new_keys(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax
         cols = jnp.take(mask, slots, axis=2)  # [b, t, chunk]
         return cols & (slots >= first)[None, None]
 
-    return chunked(part, qg, k, v, -(-size // chunk), chunk, visible)
+    def read(start, n):
+        return (jax.lax.dynamic_slice_in_dim(k, start, n, axis=1), jax.lax.dynamic_slice_in_dim(v, start, n, axis=1))
+
+    return chunked(part, qg, read, size, -(-size // chunk), chunk, visible)
 
 
 def finish(part: Partial, dtype: jnp.dtype) -> jax.Array:
@@ -118,20 +136,22 @@ def finish(part: Partial, dtype: jnp.dtype) -> jax.Array:
 
 
 def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, k: jax.Array,
-                 v: jax.Array, mask: jax.Array, *, prefix_chunk: int = PREFIX_CHUNK,
-                 new_chunk: int = NEW_CHUNK) -> jax.Array:
+                 v: jax.Array, mask: jax.Array, *, layer: int | jax.Array | None = None,
+                 prefix_chunk: int = PREFIX_CHUNK, new_chunk: int = NEW_CHUNK) -> jax.Array:
     """Attention of q [b, t, q_heads, d] over the cache prefix (slots < length[b] of k_cache/v_cache
-    [b, max_len, kv_heads, d]) and the new keys k, v [b, t_k, kv_heads, d] through mask [b, t, t_k].
+    [b, max_len, kv_heads, d], or of layer `layer` of stacked ones [layers, b, max_len, kv_heads, d])
+    and the new keys k, v [b, t_k, kv_heads, d] through mask [b, t, t_k].
 
     Returns [b, t, q_heads * d]; equal to `attend` over [prefix | new] up to float rounding."""
     qg = _group(q, k.shape[2])
-    kernel = prefix_kernel_mode(q.shape[-1], k_cache.shape[1])
+    slots = k_cache.shape[1 if layer is None else 2]
+    kernel = prefix_kernel_mode(q.shape[-1], slots)
     if kernel is None:
-        part = prefix(empty(q, k.shape[2]), qg, k_cache, v_cache, length, prefix_chunk)
+        part = prefix(empty(q, k.shape[2]), qg, k_cache, v_cache, length, prefix_chunk, layer)
     else:
         from bastion_jax.modeling import prefix_kernel
 
-        part = prefix_kernel.prefix(qg, k_cache, v_cache, length, interpret=kernel == "interpret")
+        part = prefix_kernel.prefix(qg, k_cache, v_cache, length, layer, interpret=kernel == "interpret")
     return finish(new_keys(part, qg, k, v, mask, new_chunk), q.dtype)
 
 

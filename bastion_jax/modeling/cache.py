@@ -17,22 +17,73 @@ from bastion_jax.dflash_config import DrafterConfig
 
 @struct.dataclass
 class KVCache:
-    k: tuple[jax.Array, ...]  # per layer [batch, max_len, kv_heads, head_dim]
-    v: tuple[jax.Array, ...]  # per layer [batch, max_len, kv_heads, head_dim]
+    """Every layer's keys and values, in one of two layouts:
+
+    - per layer (a tuple of `[batch, max_len, kv_heads, head_dim]` buffers), for unrolled layers:
+      each layer's buffer is its own argument of the step;
+    - stacked (one `[layers, batch, max_len, kv_heads, head_dim]` buffer), for layers run by a
+      scan: the buffer rides in the scan's carry and each layer updates its rows in place.
+
+    Layers write with `write_layer(i, ...)` and read with `layer(i)`, whatever the layout."""
+
+    k: tuple[jax.Array, ...] | jax.Array
+    v: tuple[jax.Array, ...] | jax.Array
 
     @classmethod
     def create(cls, cfg: TargetConfig | DrafterConfig, batch: int, max_len: int, dtype: jnp.dtype) -> "KVCache":
+        """Stacked when `cfg` scans its layers (`TargetConfig.scan_layers`), else per layer."""
         shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
-        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)))
+        n = cfg.num_hidden_layers
+        if getattr(cfg, "scan_layers", False):
+            return cls(k=jnp.zeros((n,) + shape, dtype), v=jnp.zeros((n,) + shape, dtype))
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(n)), v=tuple(jnp.zeros(shape, dtype) for _ in range(n)))
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, tuple)
 
     @property
     def batch(self) -> int:
-        return self.k[0].shape[0]
+        return self.k.shape[1] if self.stacked else self.k[0].shape[0]
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.k.shape[2] if self.stacked else self.k[0].shape[1]
+
+    def layer(self, i: int | jax.Array) -> tuple[jax.Array, jax.Array, int | jax.Array | None]:
+        """What attention reads for layer i: (k, v, layer index) of the stacked buffers, or (k, v,
+        None) with that layer's own [batch, max_len, ...] buffers."""
+        if self.stacked:
+            return self.k, self.v, i
+        return self.k[i], self.v[i], None
+
+    def write_layer(self, i: int | jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
+                    active: jax.Array | None = None) -> "KVCache":
+        """Write layer i's new k, v [batch, t, kv_heads, d] at per-row slots start[b] + j (rows with
+        active[b] False keep what they had). Per layer, i must be a Python int."""
+        if self.stacked:
+            return KVCache(k=write_layer_rows(self.k, i, k, start, active), v=write_layer_rows(self.v, i, v, start, active))
+        ks, vs = list(self.k), list(self.v)
+        ks[i], vs[i] = write_rows(ks[i], k, start, active), write_rows(vs[i], v, start, active)
+        return KVCache(k=tuple(ks), v=tuple(vs))
+
+
+def write_layer_rows(buf: jax.Array, layer: int | jax.Array | None, new: jax.Array, start: jax.Array,
+                     active: jax.Array | None = None, slots: jax.Array | None = None) -> jax.Array:
+    """`write_rows` into layer `layer` of a stacked buffer [layers, batch, max_len, ...] (every layer
+    when `layer` is None, `new` then [layers, batch, t, ...]), as one scatter: inside a scan over
+    layers the buffer is updated in place. `slots` [batch, t] overrides start[b] + j."""
+    lead = 1 if layer is None else 0  # new's own layer axis
+    b, t = new.shape[lead], new.shape[lead + 1]
+    rows = jnp.arange(b)[:, None]  # [b, 1]
+    if slots is None:
+        slots = start[:, None] + jnp.arange(t)[None]  # [b, t]
+    at = (slice(None), rows, slots) if layer is None else (layer, rows, slots)
+    new = new.astype(buf.dtype)
+    if active is not None:  # finished rows keep what they had
+        keep = active[:, None, None, None] if layer is not None else active[None, :, None, None, None]
+        new = jnp.where(keep, new, buf[at])
+    return buf.at[at].set(new)
 
 
 def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array, active: jax.Array | None = None) -> jax.Array:

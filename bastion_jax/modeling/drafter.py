@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bastion_jax.dflash_config import DrafterConfig
-from bastion_jax.modeling.cache import KVCache, write_rows
+from bastion_jax.modeling.cache import KVCache
 from bastion_jax.modeling.attention import attend, attend_split
 from bastion_jax.modeling.layers import MLP, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -47,10 +47,10 @@ class DrafterAttention(nnx.Module):
         return self._kv(x_ctx, *rope_ctx)
 
     def __call__(self, u: jax.Array, rope_blk: tuple[jax.Array, jax.Array], ctx_k: jax.Array, ctx_v: jax.Array,
-                 mask: jax.Array, cached: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
+                 mask: jax.Array, cached: tuple[jax.Array, jax.Array, int | None, jax.Array] | None = None) -> jax.Array:
         """u: [b, T, h] normed block tokens; ctx_k/ctx_v: [b, S, kv_heads, d] context K/V;
         mask: [b, T, S + T] over [context | block] keys. Inference passes one block (T = B, the
-        block part all-visible) and `cached` = (k_cache, v_cache [b, max_len, kv_heads, d], length [b]):
+        block part all-visible) and `cached` = (k_cache, v_cache, layer, length [b]) as `KVCache.layer` gives them:
         older context, every slot < length visible; training passes many blocks at once with a
         block-diagonal part and no cache."""
         b, t, _ = u.shape
@@ -61,7 +61,8 @@ class DrafterAttention(nnx.Module):
         vals = jnp.concatenate([ctx_v.astype(q.dtype), v_blk], axis=1)
         if cached is None:
             return self.o_proj(attend(q, keys, vals, mask))
-        return self.o_proj(attend_split(q, *cached[:2], cached[2], keys, vals, mask))
+        k_cache, v_cache, layer, length = cached
+        return self.o_proj(attend_split(q, k_cache, v_cache, length, keys, vals, mask, layer=layer))
 
 
 class DrafterLayer(nnx.Module):
@@ -107,13 +108,11 @@ class Drafter(nnx.Module):
         mask = jnp.concatenate([jnp.broadcast_to(new_visible[:, None, :], (b, block, c)),
                                 jnp.ones((b, block, block), bool)], axis=-1)  # [b, B, C + B]
         h = block_emb
-        ks, vs = [], []
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.self_attn.context_kv(x_ctx, rope_ctx)  # [b, C, kv_heads, d]
-            ks.append(write_rows(cache.k[i], k_ctx, ctx_start, active))  # written first: see Transformer
-            vs.append(write_rows(cache.v[i], v_ctx, ctx_start, active))
-            h = layer(h, rope_blk, k_ctx, v_ctx, mask, (ks[-1], vs[-1], ctx_start))  # cache slots < ctx_start
-        return self.norm(h), KVCache(k=tuple(ks), v=tuple(vs))
+            cache = cache.write_layer(i, k_ctx, v_ctx, ctx_start, active)  # written first: see Transformer
+            h = layer(h, rope_blk, k_ctx, v_ctx, mask, (*cache.layer(i), ctx_start))  # cache slots < ctx_start
+        return self.norm(h), cache
 
     def inject(self, ctx_features: jax.Array, ctx_start: jax.Array, cache: KVCache, dtype: jnp.dtype,
                active: jax.Array | None = None) -> KVCache:
@@ -124,12 +123,10 @@ class Drafter(nnx.Module):
         inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim)
         rope_ctx = rope_cos_sin(inv_freq, ctx_start[:, None] + jnp.arange(c)[None], dtype)
         x_ctx = self.project(ctx_features.astype(dtype))  # [b, C, h]
-        ks, vs = [], []
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.self_attn.context_kv(x_ctx, rope_ctx)  # [b, C, kv_heads, d]
-            ks.append(write_rows(cache.k[i], k_ctx, ctx_start, active))
-            vs.append(write_rows(cache.v[i], v_ctx, ctx_start, active))
-        return KVCache(k=tuple(ks), v=tuple(vs))
+            cache = cache.write_layer(i, k_ctx, v_ctx, ctx_start, active)
+        return cache
 
     def project(self, features: jax.Array) -> jax.Array:
         """Fused target features [..., n_taps * target_hidden] -> drafter context states [..., h]."""

@@ -49,10 +49,12 @@ def _splits(slots: int, block_k: int) -> int:
     return n
 
 
-def _kernel(length_ref, q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref, *, block_k: int, split_len: int, scale: float):
-    """One (row, kv head, split): q_ref [R, d]; k_ref, v_ref [split_len, d] (this split's slots);
+def _kernel(offset_ref, length_ref, q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref, *, block_k: int, split_len: int,
+            scale: float):
+    """One (row, kv head, split): q_ref [R, d]; k_ref, v_ref the whole cache [rows, slots, kv_heads, d]
+    (this program reads row offset + its batch row, its kv head, its split's slots, block by block);
     writes acc [R, d], l and m [R] of the live slots (< length) in the split."""
-    split = pl.program_id(2)
+    row, head, split = offset_ref[()] + pl.program_id(0), pl.program_id(1), pl.program_id(2)
     first = split * split_len
     length = length_ref[()]
     n_blocks = jnp.clip(pl.cdiv(length - first, block_k), 0, split_len // block_k)
@@ -61,10 +63,10 @@ def _kernel(length_ref, q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref, *, block_k: 
 
     def body(i, carry):
         acc, l, m = carry
-        at = pl.ds(i * block_k, block_k)
-        k = k_ref[at, :]  # [block_k, d]
+        at = pl.ds(first + i * block_k, block_k)
+        k = k_ref[row, at, head, :]  # [block_k, d]
         live = (first + i * block_k + jnp.arange(block_k)) < length  # [block_k]
-        v = jnp.where(live[:, None], v_ref[at, :], 0)  # stale slots never reach the output, even as 0 * nan
+        v = jnp.where(live[:, None], v_ref[row, at, head, :], 0)  # stale slots never reach the output, even as 0 * nan
         s = jnp.dot(q, k.astype(q.dtype).T, preferred_element_type=jnp.float32) * scale  # [R, block_k]
         s = jnp.where(live[None, :], s, NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=-1))
@@ -82,11 +84,16 @@ def _kernel(length_ref, q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref, *, block_k: 
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "interpret"))
-def prefix(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, *, block_k: int = BLOCK_K,
-           interpret: bool = False) -> Partial:
+def prefix(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, layer: jax.Array | int | None = None,
+           *, block_k: int = BLOCK_K, interpret: bool = False) -> Partial:
     """Attention partial of qg [b, t, kv_heads, groups, d] over slots < length[b] of k_cache, v_cache
-    [b, slots, kv_heads, d]: what `attention.prefix` computes from an empty partial."""
+    [b, slots, kv_heads, d] (or, with `layer`, of that layer of stacked caches [layers, b, slots,
+    kv_heads, d], read in place): what `attention.prefix` computes from an empty partial."""
     b, t, hkv, g, d = qg.shape
+    offset = jnp.zeros((), jnp.int32)
+    if layer is not None:  # [layers * b, slots, kv, d]: a free reshape; the kernel reads rows layer * b + i
+        offset = jnp.asarray(layer, jnp.int32) * b
+        k_cache, v_cache = (c.reshape((-1,) + c.shape[2:]) for c in (k_cache, v_cache))
     slots = k_cache.shape[1]
     splits = _splits(slots, block_k)
     split_len = slots // splits
@@ -99,10 +106,11 @@ def prefix(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Ar
         kernel,
         grid=(b, hkv, splits),
         in_specs=[
+            pl.BlockSpec((), lambda i, h, j: ()),  # row offset: layer * b, or 0
             pl.BlockSpec((None,), lambda i, h, j: (i,)),  # length[b]
             pl.BlockSpec((None, None, r_pad, d), lambda i, h, j: (i, h, 0, 0)),  # q
-            pl.BlockSpec((None, split_len, None, d), lambda i, h, j: (i, j, h, 0)),  # k cache, read in place
-            pl.BlockSpec((None, split_len, None, d), lambda i, h, j: (i, j, h, 0)),  # v cache
+            pl.BlockSpec(memory_space=pl.ANY),  # k cache: the kernel indexes it, in place
+            pl.BlockSpec(memory_space=pl.ANY),  # v cache
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, r_pad, d), lambda i, h, j: (j, i, h, 0, 0)),
@@ -117,7 +125,7 @@ def prefix(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Ar
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),  # the Triton backend on GPU
         interpret=interpret,
         name="bastion_prefix_attention",
-    )(length.astype(jnp.int32), q, k_cache, v_cache)
+    )(offset, length.astype(jnp.int32), q, k_cache, v_cache)
     # Merge the splits by log-sum-exp (a split with no live slot has m = NEG_INF, l = 0, acc = 0).
     m_all = m.max(axis=0)  # [b, kv_heads, R]
     corr = jnp.exp(m - m_all[None])  # [splits, b, kv_heads, R]

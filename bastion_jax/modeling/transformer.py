@@ -1,7 +1,10 @@
 """Target decoder (Llama-3.x / Qwen3) as a Flax NNX module with HF-mirroring attribute names.
 
 `Transformer.embed_tokens`, `.layers[i].self_attn.q_proj.weight`, ... are exactly the HF names
-with the leading `model.` dropped, so `bastion_jax.checkpoints` maps checkpoints by rule.
+with the leading `model.` dropped, so `bastion_jax.checkpoints` maps checkpoints by rule. With
+`TargetConfig.scan_layers` the layers are one stacked module instead (`layers.self_attn...` with a
+leading [num_layers] axis, run by `jax.lax.scan`: one compiled layer body however deep the model);
+checkpoints keep one tensor per layer either way (`checkpoints.params.match_layout`).
 """
 
 from __future__ import annotations
@@ -10,11 +13,12 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from bastion_jax.config import TargetConfig
 from bastion_jax.modeling.attention import attend_split
-from bastion_jax.modeling.cache import KVCache, write_rows
+from bastion_jax.modeling.cache import KVCache
 from bastion_jax.modeling.layers import MLP, Embedding, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -33,8 +37,8 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.heads = (hq, hkv, d)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, k_buf: jax.Array,
-                 v_buf: jax.Array, start: jax.Array, mask: jax.Array, active: jax.Array | None):
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: KVCache, layer: int | jax.Array,
+                 start: jax.Array, mask: jax.Array, active: jax.Array | None) -> tuple[jax.Array, KVCache]:
         b, t, _ = x.shape
         hq, hkv, d = self.heads
         q = self.q_proj(x).reshape(b, t, hq, d)  # [b, t, q_heads, d]
@@ -44,11 +48,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Write first, then read slots < start of the written buffer: reading the old buffer inside the
-        # prefix loop and writing it afterwards makes XLA copy the whole cache per layer.
-        k_buf = write_rows(k_buf, k, start, active)  # [b, max_len, kv_heads, d]
-        v_buf = write_rows(v_buf, v, start, active)
-        out = attend_split(q, k_buf, v_buf, start, k, v, mask)  # committed slots < start, then the new t
-        return self.o_proj(out), k_buf, v_buf
+        # prefix loop and writing it afterwards makes XLA copy the whole cache.
+        cache = cache.write_layer(layer, k, v, start, active)
+        k_buf, v_buf, index = cache.layer(layer)
+        out = attend_split(q, k_buf, v_buf, start, k, v, mask, layer=index)  # committed slots < start, then the t new
+        return self.o_proj(out), cache
 
 
 class DecoderLayer(nnx.Module):
@@ -59,11 +63,23 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=cfg.mlp_bias, dtype=dtype,
                        rngs=rngs)
 
-    def __call__(self, x, cos, sin, k_buf, v_buf, start, mask, active=None):
-        attn, k_buf, v_buf = self.self_attn(self.input_layernorm(x), cos, sin, k_buf, v_buf, start, mask, active)
+    def __call__(self, x, cos, sin, cache, layer, start, mask, active=None):
+        attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, start, mask, active)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k_buf, v_buf
+        return x, cache
+
+
+def stacked_layers(cfg: TargetConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:
+    """All decoder layers as one `DecoderLayer` whose parameters carry a leading [num_layers] axis,
+    each layer initialised with its own key: what `Transformer` scans over."""
+
+    @nnx.split_rngs(splits=cfg.num_hidden_layers)
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(r: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(cfg, dtype=dtype, rngs=r)
+
+    return make(rngs)
 
 
 class ForwardOutput(NamedTuple):
@@ -78,8 +94,10 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: TargetConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs)
-                                for _ in range(cfg.num_hidden_layers)])
+        if cfg.scan_layers:  # `layers.<HF name>` [num_layers, ...]
+            self.layers = stacked_layers(cfg, dtype, rngs)
+        else:  # `layers[i].<HF name>`
+            self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs))
@@ -108,20 +126,41 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens)  # [b, t, hidden]
         inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim)  # trace-time constant
         cos, sin = rope_cos_sin(inv_freq, positions, x.dtype)
-        ks, vs, taps = [], [], {}
-        for i, layer in enumerate(self.layers):
-            x, k_buf, v_buf = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask, active)
-            ks.append(k_buf)
-            vs.append(v_buf)
-            if i in tap_layers:
-                taps[i] = x
+        last = self.config.num_hidden_layers - 1
+        if self.config.scan_layers:
+            x, cache, taps = self._scan(x, cos, sin, cache, start, mask, active, tap_layers)
+        else:
+            taps = {}
+            for i, layer in enumerate(self.layers):
+                x, cache = layer(x, cos, sin, cache, i, start, mask, active)
+                if i in tap_layers and i != last:
+                    taps[i] = x
         x = self.norm(x)
-        last = len(self.layers) - 1
-        if last in tap_layers:
-            # DFlash taps are HF `hidden_states[id + 1]` (z-lab `extract_context_feature`), and HF's last
-            # entry is taken after the final norm: a tap on the last layer reads the normed states.
-            taps[last] = x
+        # DFlash taps are HF `hidden_states[id + 1]` (z-lab `extract_context_feature`), and HF's last entry
+        # is taken after the final norm: a tap on the last layer reads the normed states.
+        tapped = [x if i == last else taps[i] for i in tap_layers]
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[..., None], axis=1)  # [b, n, hidden]
-        tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
-        return ForwardOutput(self.logits(x), KVCache(k=tuple(ks), v=tuple(vs)), tapped)
+        return ForwardOutput(self.logits(x), cache, jnp.concatenate(tapped, axis=-1) if tapped else None)
+
+    def _scan(self, x, cos, sin, cache: KVCache, start, mask, active, tap_layers: Sequence[int]):
+        """The stacked layers under `jax.lax.scan`: one compiled layer body, the stacked cache and a
+        buffer of the tapped layers' outputs in the carry. Returns (x, cache, {layer: tap})."""
+        n_layers = self.config.num_hidden_layers
+        inner = [i for i in tap_layers if i != n_layers - 1]  # the last layer's tap is read after the norm
+        slot = np.full(n_layers, -1, np.int32)  # layer -> its row of the tap buffer, -1: not tapped
+        slot[inner] = np.arange(len(inner))
+        taps = jnp.zeros((max(len(inner), 1),) + x.shape, x.dtype)  # [n_inner_taps, b, t, hidden]
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(carry, xs):
+            x, cache, taps = carry
+            params, i, s = xs
+            x, cache = nnx.merge(graphdef, params)(x, cos, sin, cache, i, start, mask, active)
+            if inner:  # one row of the tap buffer rewritten per layer (with itself when not tapped)
+                row = jnp.maximum(s, 0)
+                taps = taps.at[row].set(jnp.where(s >= 0, x, taps[row]))
+            return (x, cache, taps), None
+
+        (x, cache, taps), _ = jax.lax.scan(body, (x, cache, taps), (stacked, jnp.arange(n_layers), jnp.asarray(slot)))
+        return x, cache, {i: taps[r] for r, i in enumerate(inner)}

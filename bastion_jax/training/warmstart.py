@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bastion_jax.checkpoints import LoadedDrafter, Target
+from bastion_jax.checkpoints.params import unstack_layers
 
 
 def init_from_target(drafter: LoadedDrafter, target: Target) -> LoadedDrafter:
@@ -26,7 +27,8 @@ def init_from_target(drafter: LoadedDrafter, target: Target) -> LoadedDrafter:
     n, layers = target.config.num_hidden_layers, drafter.config.num_hidden_layers
     if layers > n:
         raise ValueError(f"--init-from-target: the drafter has {layers} layers, the target only {n}")
-    src, dst = nnx.to_pure_dict(target.state), nnx.to_pure_dict(drafter.state)  # fresh nested dicts
+    src = unstack_layers(nnx.to_pure_dict(target.state))  # fresh nested dicts, per layer
+    dst = nnx.to_pure_dict(drafter.state)
 
     def copy(d_tree: dict, t_tree: dict, what: str) -> None:
         """Every leaf of `t_tree` that `d_tree` also has (a drafter without biases skips a target's)."""

@@ -1,0 +1,97 @@
+"""Scanned decoder layers (`TargetConfig.scan_layers`, the default off CPU): the same checkpoint loaded
+stacked gives the same logits, caches and greedy tokens as unrolled, in float32 and bfloat16, with the
+XLA prefix loop and with the prefix kernel; checkpoints stay per layer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bastion_jax.checkpoints import layer_layout, load_target, random_drafter, save_target
+from bastion_jax.engine import Engine
+from bastion_jax.modeling.attention import set_prefix_kernel
+from bastion_jax.modeling.cache import KVCache, causal_mask
+from bastion_jax.testing import tiny_drafter_config
+
+PROMPTS = [[5, 17, 3, 9, 22], [7, 7, 2]]
+
+
+@pytest.fixture(scope="module")
+def both(converted):
+    """(unrolled, scanned) loads of one converted tiny Qwen3 checkpoint."""
+    _, target = converted("qwen3")
+    return load_target(target.path, jnp.float32, scan_layers=False), load_target(target.path, jnp.float32,
+                                                                                scan_layers=True)
+
+
+def test_layouts(both):
+    flat, scanned = both
+    assert not flat.config.scan_layers and scanned.config.scan_layers
+    n = flat.config.num_hidden_layers
+    w = scanned.state["layers"]["mlp"]["up_proj"]["weight"][...]  # [layers, ...]: one stacked module
+    assert w.shape[0] == n
+    np.testing.assert_array_equal(np.asarray(w[1]), np.asarray(flat.state["layers"][1]["mlp"]["up_proj"]["weight"][...]))
+    cache = KVCache.create(scanned.config, 2, 32, jnp.float32)
+    assert cache.stacked and cache.k.shape == (n, 2, 32, flat.config.num_key_value_heads, flat.config.head_dim)
+    assert not KVCache.create(flat.config, 2, 32, jnp.float32).stacked
+
+
+def test_forward_logits_cache_and_taps_equal_unrolled(both):
+    flat, scanned = both
+    rng = np.random.default_rng(0)
+    t = 9
+    tokens = jnp.asarray(rng.integers(3, flat.config.vocab_size, (2, t)), jnp.int32)
+    zero = jnp.zeros(2, jnp.int32)
+    taps = (0, flat.config.num_hidden_layers - 1)
+    outs = []
+    for target in (flat, scanned):
+        model = nnx.merge(target.graphdef, target.state)
+        cache = KVCache.create(target.config, 2, 32, jnp.float32)
+        outs.append(model(tokens, jnp.arange(t)[None].repeat(2, 0), cache, zero, causal_mask(2, t), tap_layers=taps))
+    a, b = outs
+    np.testing.assert_allclose(np.asarray(a.logits), np.asarray(b.logits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(a.taps), np.asarray(b.taps), rtol=1e-5, atol=1e-5)
+    for layer in range(flat.config.num_hidden_layers):
+        np.testing.assert_allclose(np.asarray(a.cache.k[layer]), np.asarray(b.cache.k[layer]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(a.cache.v[layer]), np.asarray(b.cache.v[layer]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("prefix", ["xla", "interpret"])
+def test_greedy_output_equals_unrolled_ar(both, dtype, prefix):
+    """AR, chain and tree decoding with scanned layers give the unrolled model's AR tokens."""
+    flat, _ = both
+    scanned = load_target(flat.path, dtype, scan_layers=True)
+    unrolled = load_target(flat.path, dtype, scan_layers=False)
+    drafter = random_drafter(tiny_drafter_config(flat.config, num_layers=1, block_size=4), dtype, seed=3)
+    want = Engine(unrolled, stop_ids=[-1]).generate(PROMPTS, max_new_tokens=14).tokens
+    old = set_prefix_kernel(prefix)
+    try:
+        engine = Engine(scanned, drafter=drafter, stop_ids=[-1], buckets=(1, 4, 8))
+        for mode in ("ar", "dflash", "fixed:8"):
+            assert engine.generate(PROMPTS, max_new_tokens=14, mode=mode).tokens == want, mode
+    finally:
+        set_prefix_kernel(old)
+
+
+def test_checkpoints_stay_per_layer(both, tmp_path):
+    """A scanned model saves one tensor per layer (HF names) and loads back either way, bit for bit."""
+    flat, scanned = both
+    (tmp_path / "ckpt").mkdir()
+    save_target(tmp_path / "ckpt", scanned.config, nnx.to_pure_dict(scanned.state))
+    back = load_target(tmp_path / "ckpt", scan_layers=False)
+    assert "0" in {str(k) for k in nnx.to_pure_dict(back.state)["layers"]}
+    for x, y in zip(jax.tree.leaves(back.state), jax.tree.leaves(flat.state)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_layout_follows_the_backend():
+    from bastion_jax.checkpoints import default_scan_layers
+    from bastion_jax.presets import preset_configs
+
+    tcfg, _ = preset_configs("smollm2-135m", 2, 1, 4)
+    assert default_scan_layers() is (jax.default_backend() != "cpu")
+    assert layer_layout(tcfg).scan_layers is default_scan_layers()
+    assert layer_layout(tcfg, True).scan_layers and not layer_layout(tcfg, False).scan_layers
+    assert "scan_layers" not in tcfg.to_hf()  # a run-time choice, never written into a checkpoint
