@@ -82,6 +82,15 @@ def chunked(part: Partial, qg: jax.Array, read: Callable[[jax.Array, int], tuple
     return jax.lax.fori_loop(0, n_chunks, body, part)
 
 
+def _slots(k: jax.Array, v: jax.Array) -> Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]:
+    """`chunked`'s read for keys k, v [b, S, kv_heads, d]: slots start..start + n of both."""
+
+    def read(start, n):
+        return jax.lax.dynamic_slice_in_dim(k, start, n, axis=1), jax.lax.dynamic_slice_in_dim(v, start, n, axis=1)
+
+    return read
+
+
 def prefix(part: Partial, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array,
            chunk: int = PREFIX_CHUNK, layer: int | jax.Array | None = None) -> Partial:
     """Fold the committed prefix: cache slots < length[b] of k_cache, v_cache [b, max_len, kv_heads, d],
@@ -92,11 +101,7 @@ def prefix(part: Partial, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         return ((slots >= first)[None] & (slots[None] < length[:, None]))[:, None, :]  # [b, 1, chunk]
 
     if layer is None:
-        size = k_cache.shape[1]
-
-        def read(start, n):
-            return (jax.lax.dynamic_slice_in_dim(k_cache, start, n, axis=1),
-                    jax.lax.dynamic_slice_in_dim(v_cache, start, n, axis=1))
+        size, read = k_cache.shape[1], _slots(k_cache, v_cache)
     else:
         _, b, size, hkv, d = k_cache.shape
         if size <= chunk:  # one read covers the cache (a loop over a whole-buffer slice makes XLA copy the cache)
@@ -122,10 +127,7 @@ def new_keys(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax
         cols = jnp.take(mask, slots, axis=2)  # [b, t, chunk]
         return cols & (slots >= first)[None, None]
 
-    def read(start, n):
-        return (jax.lax.dynamic_slice_in_dim(k, start, n, axis=1), jax.lax.dynamic_slice_in_dim(v, start, n, axis=1))
-
-    return chunked(part, qg, read, size, -(-size // chunk), chunk, visible)
+    return chunked(part, qg, _slots(k, v), size, -(-size // chunk), chunk, visible)
 
 
 def finish(part: Partial, dtype: jnp.dtype) -> jax.Array:

@@ -69,15 +69,14 @@ class KVCache:
 
 
 def write_layer_rows(buf: jax.Array, layer: int | jax.Array | None, new: jax.Array, start: jax.Array,
-                     active: jax.Array | None = None, slots: jax.Array | None = None) -> jax.Array:
+                     active: jax.Array | None = None) -> jax.Array:
     """`write_rows` into layer `layer` of a stacked buffer [layers, batch, max_len, ...] (every layer
     when `layer` is None, `new` then [layers, batch, t, ...]), as one scatter: inside a scan over
-    layers the buffer is updated in place. `slots` [batch, t] overrides start[b] + j."""
+    layers the buffer is updated in place."""
     lead = 1 if layer is None else 0  # new's own layer axis
     b, t = new.shape[lead], new.shape[lead + 1]
     rows = jnp.arange(b)[:, None]  # [b, 1]
-    if slots is None:
-        slots = start[:, None] + jnp.arange(t)[None]  # [b, t]
+    slots = start[:, None] + jnp.arange(t)[None]  # [b, t]
     at = (slice(None), rows, slots) if layer is None else (layer, rows, slots)
     new = new.astype(buf.dtype)
     if active is not None:  # finished rows keep what they had
