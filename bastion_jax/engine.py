@@ -308,6 +308,9 @@ class Engine:
             # Some row still has budget after this step: the next step may be dispatched before this
             # one is read (AR always; the tree policies after a root step that does not draft).
             look_ahead = not (rows.done | (rows.produced + 1 >= rows.budget)).all()
+            # Every active row still needs a step after this one even if this one commits a whole
+            # block (a tree step commits at most block_size tokens): fixed:N may dispatch it ahead.
+            tree_ahead = bool((rows.done | (rows.produced + (self.block_size or 0) < rows.budget)).all())
             # One device->host read per step (`jax.device_get` of everything the host needs at once).
             if policy.kind == "ar":
                 if queued is None:
@@ -331,7 +334,7 @@ class Engine:
                 new = [toks[i, : counts[i]] for i in range(batch)]
             else:
                 state, toks, counts = loop.step(state, active, active_dev, int(lengths[active].max()), next_params,
-                                                look_ahead)
+                                                look_ahead, tree_ahead)
                 new = [toks[i, : counts[i]] for i in range(batch)]
             lengths = lengths + np.where(active, counts, 0).astype(np.int32)
             stats.steps += 1

@@ -30,12 +30,12 @@ def markdown(title: str, meta: dict, prof: Profile) -> str:
              f"Calibrated model error (RMSE / mean step): {100 * prof.calibration_error:.2f}%. "
              f"Compilations during timing: {prof.compilations_during_timing}. Compile time {prof.compile_s:.1f}s.", "",
              "| bucket | context | step ms | device ms | verify ms | plain forward ms | verify / forward | draft ms "
-             "| host ms | host % | roofline ms | calibrated ms | error % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| host ms | host % | fixed:b host % | roofline ms | calibrated ms | error % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in prof.points:
         lines.append(f"| {p.bucket} | {p.context} | {_ms(p.step_s)} | {_ms(p.device_s)} | {_ms(p.verify_s)} | "
                      f"{_ms(p.forward_s)} | {p.verify_s / p.forward_s:.2f} | {_ms(p.draft_s)} | {_ms(p.host_s)} | "
-                     f"{100 * p.host_s / p.loop_s:.1f} | {_ms(p.roofline_s)} | "
+                     f"{100 * p.host_s / p.loop_s:.1f} | {100 * p.fixed_host_s / p.fixed_loop_s:.1f} | {_ms(p.roofline_s)} | "
                      f"{_ms(p.calibrated_s)} | {100 * (p.calibrated_s - p.step_s) / p.step_s:+.1f} |")
     lines += ["", "| context | AR step ms |", "|---|---|"]
     lines += [f"| {c} | {_ms(t)} |" for c, t in prof.ar_step_s.items()]

@@ -7,7 +7,10 @@ and context c (the committed length the step starts from):
   forward  a plain causal forward of b tokens at c (no tree mask, no taps): verify's yardstick
   draft    the drafter's block forward + tree build (depends on c only)
   host     one iteration of the engine's decode loop (controller choice, dispatch, one device->host
-           read, online calibration) minus device time: what the host adds per step
+           read, online calibration) minus the device time of the step it runs: what the host adds
+           per step, for the loop each policy runs at b. bastion: the controller's choice, then the
+           tree step (read before the next choice); at b = 1 bastion takes root steps instead, which
+           it dispatches one ahead while they hold. fixed:b: its tree steps dispatched one ahead.
 
 plus the plain AR decode step per context, and fits the engine's latency model to the step times.
 All executables are compiled before timing; the run counts compilations during timing (must be 0).
@@ -26,7 +29,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-ROUNDS = 3  # alternating rounds of device-time and host-loop timing per cell
+ROUNDS = 5  # alternating rounds of device-time and host-loop timing per cell
+HOST_REPS = 10  # steps per round at least: the host's share is a difference of two timings, a few % apart
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +44,11 @@ class Point:
     verify_s: float  # target forward over the tree + argmax
     forward_s: float  # a plain causal forward of as many tokens (no tree, no taps): verify's yardstick
     draft_s: float  # drafter block + tree build (per context)
-    loop_s: float  # one iteration of the engine's host loop
-    host_s: float  # loop_s - device_s
+    loop_s: float  # one iteration of the engine's host loop under bastion at b (b = 1: root steps)
+    loop_device_s: float  # device time of the step that loop runs (device_s, or the root step's at b = 1)
+    host_s: float  # loop_s - loop_device_s
+    fixed_loop_s: float  # one iteration of the fixed:b loop (each tree step dispatched before the last is read)
+    fixed_host_s: float  # fixed_loop_s - device_s
     roofline_s: float = math.nan  # LatencyModel.raw with the run's peaks
     calibrated_s: float = math.nan  # LatencyModel.predict after the fit
 
@@ -86,7 +93,9 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
     from bastion_jax import compile_counter
     from bastion_jax.controller import Controller, Policy
     from bastion_jax.latency import AR, AR_DRAFT
-    from bastion_jax.tree_decoding import DRAFT, HOLD
+    from bastion_jax.draft_gate import DraftGate
+    from bastion_jax.tree_decoding import DRAFT, HOLD, pending_slots
+    from bastion_jax.tree_loop import TreeLoop
     from bastion_jax.sampling import SamplingConfig, sampler
 
     buckets = engine.buckets
@@ -117,6 +126,7 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
     inactive = jax.device_put(np.zeros(1, bool))  # rows stay put: every rep runs at the same context
     loop_latency = copy.deepcopy(engine.latency)  # the host loop's online updates must not touch the fit
     controller = Controller(Policy("bastion"), buckets, loop_latency)
+    gate = DraftGate(buckets, loop_latency.step_time, pending_slots(engine.block_size), engine.block_size)
     rng = jax.random.PRNGKey(1)
 
     compiled_before = compile_counter.compilations()
@@ -177,14 +187,26 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
             forward_s = _median_s(forwarding, reps, warmup)
             # Host overhead is a difference of two timings, so both are taken in alternating rounds
             # (a slow spell of the machine hits both) and the median round is kept.
-            device_rounds, loop_rounds = [], []
+            # bastion's own choice at b = 1 is a root step (it never verifies a 1-node tree).
+            root = roots.get(HOLD) if b == 1 else None
+            bastion = _bastion_loop(steps, roots, controller, gate, b, tstate, dstate, box["curve"])
+            fixed = TreeLoop("fixed", Controller(Policy("fixed", b), buckets, loop_latency), None, steps, None,
+                             loop_latency, buckets, tstate, dstate, box["curve"])
+            rounds: dict[str, list[float]] = {"device": [], "loop_device": [], "loop": [], "fixed_loop": []}
+            n = max(reps, HOST_REPS)
             for r in range(ROUNDS):
                 w = warmup if r == 0 else 0
-                device_rounds.append(_device_time(full, step, tstate, dstate, box, inactive, key, reps, w))
-                loop_rounds.append(_host_loop(steps, tstate, dstate, box, controller, loop_latency, b, c, rng, reps, w))
-            device_s, loop_s = statistics.median(device_rounds), statistics.median(loop_rounds)
-            cells.append(dict(bucket=b, context=c, step_s=step_s, device_s=device_s, verify_s=verify_s,
-                              forward_s=forward_s, draft_s=draft_s, loop_s=loop_s, host_s=loop_s - device_s))
+                rounds["device"].append(_device_time(full, step, tstate, dstate, box, inactive, key, n, w))
+                rounds["loop_device"].append(
+                    _device_time(None, root, tstate, dstate, box, inactive, key, n, w) if root else math.nan)
+                rounds["loop"].append(_loop_time(bastion, box, c, rng, n, w, ahead=root is not None))
+                rounds["fixed_loop"].append(_loop_time(fixed, box, c, rng, n, w, ahead=True))
+            med = {k: statistics.median(v) for k, v in rounds.items()}
+            loop_device_s = med["loop_device"] if root else med["device"]
+            cells.append(dict(bucket=b, context=c, step_s=step_s, device_s=med["device"], verify_s=verify_s,
+                              forward_s=forward_s, draft_s=draft_s, loop_s=med["loop"], loop_device_s=loop_device_s,
+                              host_s=med["loop"] - loop_device_s, fixed_loop_s=med["fixed_loop"],
+                              fixed_host_s=med["fixed_loop"] - med["device"]))
             bar.update()
         ar_cache, state, curve = box["ar"], box["state"], box["curve"]
     compilations = compile_counter.compilations() - compiled_before
@@ -198,15 +220,20 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
 
 def _device_time(full, step, tstate, dstate, box: dict, inactive, key, reps: int, warmup: int) -> float:
     """Seconds per step with `reps` steps dispatched back to back and one synchronisation at the end:
-    the host runs ahead, so this is the device's time per step."""
+    the host runs ahead, so this is the device's time per step. `full` (or `step` itself, when None)
+    warms up."""
     import jax
 
     for _ in range(warmup):
-        full()
+        if full is not None:
+            full()
+        else:
+            box["state"], out, _ = step(tstate, dstate, box["state"], inactive, key)
+            jax.block_until_ready(out.count)
     t0 = time.perf_counter()
     for _ in range(reps):
-        box["state"], out, box["curve"] = step(tstate, dstate, box["state"], inactive, key)
-    jax.block_until_ready((box["state"], out, box["curve"]))
+        box["state"], out, curve = step(tstate, dstate, box["state"], inactive, key)
+    jax.block_until_ready((box["state"], out, curve))
     return (time.perf_counter() - t0) / reps
 
 
@@ -222,26 +249,65 @@ class _Pinned:
         return self.bucket
 
 
-def _host_loop(steps: dict, tstate, dstate, box: dict, controller, latency, b: int, c: int, rng, reps: int,
-               warmup: int) -> float:
-    """Seconds per iteration of the engine's own tree loop (`TreeLoop.step`, greedy) with the bucket
-    pinned to b: the bastion controller's choice (computed, then overridden), dispatch, one
+class _Holding:
+    """A draft gate whose every decision is computed (its cost is the host's) and then replaced by
+    "hold": the loop runs root steps that do not draft, as bastion does when drafting does not pay."""
+
+    def __init__(self, gate):
+        self.gate = gate
+
+    def use_tree(self, context: int) -> bool:
+        self.gate.use_tree(context)
+        return False
+
+    def root_then(self, context: int) -> int:
+        from bastion_jax.tree_decoding import HOLD
+
+        self.gate.root_then(context)
+        return HOLD
+
+    def record(self, then: int, committed: int) -> None:
+        self.gate.record(then, committed)
+
+    def observe_verify(self, *args) -> None:
+        pass
+
+    def observe_tree(self, curve) -> None:
+        self.gate.observe_tree(curve)
+
+
+def _bastion_loop(steps: dict, roots: dict, controller, gate, b: int, tstate, dstate, curve):
+    """The engine's tree loop (`TreeLoop`) as bastion runs it at bucket b: b > 1 (or no root steps) the
+    controller's choice, computed and then pinned to b; b = 1 root steps that hold, under a gate whose
+    decisions are computed and then pinned to "hold"."""
+    from bastion_jax.tree_loop import TreeLoop
+
+    gate = _Holding(gate) if b == 1 and roots else None
+    return TreeLoop("bastion", _Pinned(controller, b), gate, steps, roots or None, controller.latency,
+                    controller.buckets, tstate, dstate, curve)
+
+
+def _loop_time(loop, box: dict, c: int, rng, reps: int, warmup: int, ahead: bool) -> float:
+    """Seconds per iteration of the engine's own tree loop (`TreeLoop.step`, greedy), `ahead`: with the
+    next step dispatched before this one is read where the loop's policy does so: dispatch, one
     device->host read of tokens, counts and curve, the online latency update, plus the engine's
     per-row slicing of the tokens. As in the engine, a greedy step reuses its key. The device-side
     active mask is all False, so every iteration runs at context c."""
     import jax
 
     from bastion_jax.sampling import SamplingConfig, sampler
-    from bastion_jax.tree_loop import TreeLoop
 
-    loop = TreeLoop("bastion", _Pinned(controller, b), None, steps, None, latency, controller.buckets, tstate, dstate,
-                    box["curve"])
     active, active_dev = np.ones(1, bool), jax.device_put(np.zeros(1, bool))
     params = sampler(rng, SamplingConfig())  # as the engine: made once per request
     t0 = 0.0
     for i in range(warmup + reps):
         if i == warmup:
             t0 = time.perf_counter()
-        box["state"], toks, counts = loop.step(box["state"], active, active_dev, c, lambda: params, look_ahead=False)
+        box["state"], toks, counts = loop.step(box["state"], active, active_dev, c, lambda: params,
+                                               look_ahead=ahead, tree_ahead=ahead)
         _ = [toks[r, : counts[r]] for r in range(toks.shape[0])]
-    return (time.perf_counter() - t0) / reps
+    elapsed = (time.perf_counter() - t0) / reps
+    if loop.queued is not None:  # the step dispatched past the last read: its state is the box's already
+        jax.block_until_ready(loop.queued[2].count)
+        loop.queued = None
+    return elapsed

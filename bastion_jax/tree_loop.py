@@ -11,7 +11,10 @@ tree to choose from, so the next step is known before its result is read: anothe
 `then` the gate decides on the context one token further. `TreeLoop` dispatches that step before
 reading the current one, so the device works while the host reads, emits and yields (as the AR
 loop does). A row that stops on the read step is computed once more and its token dropped; nothing
-is dispatched past every row's token budget.
+is dispatched past every row's token budget. Under fixed:N the next step is always the same tree
+step (the bucket does not depend on what a step shows), so it is dispatched ahead too while every
+active row has room for a full step more (`tree_ahead`); bastion's tree steps cannot be: the next
+bucket is chosen on the fresh tree's surrogate curve, which only the read brings.
 """
 
 from __future__ import annotations
@@ -44,26 +47,31 @@ class TreeLoop:
         if gate is not None:
             gate.observe_tree(self.curve.mean(axis=0))
         self.holding = False  # the last step did not draft: no tree in hand, the next step is a root step
-        self.queued: tuple | None = None  # (then, out, curve, dispatched at) of a root step dispatched ahead
+        self.queued: tuple | None = None  # (bucket, then, out, curve, dispatched at) of a step dispatched ahead
         self.back_at = 0.0  # when the host last came back to the loop (its reads are timed from there)
 
     def _dispatch_root(self, then: int, state, active_dev, key) -> tuple:
         ts = time.perf_counter()
         state, out, curve = self.roots[then](*self.params, state, active_dev, key)
-        return state, (then, out, curve, ts)
+        return state, (0, then, out, curve, ts)
+
+    def _dispatch_tree(self, b: int, state, active_dev, key) -> tuple:
+        ts = time.perf_counter()
+        state, out, curve = self.steps[b](*self.params, state, active_dev, key)
+        return state, (b, DRAFT, out, curve, ts)
 
     def step(self, state, active: np.ndarray, active_dev, context: int, next_key: Callable[[], Any],
-             look_ahead: bool) -> tuple[Any, np.ndarray, np.ndarray]:
+             look_ahead: bool, tree_ahead: bool = False) -> tuple[Any, np.ndarray, np.ndarray]:
         """One step for the rows in `active` at committed context `context` (longest active row).
         next_key() gives the sampler of the step it is called for. `look_ahead`: a further step may
-        still be needed (not every row is at its budget). Returns (state, tokens [batch, n], counts
-        [batch])."""
+        still be needed (not every row is at its budget). `tree_ahead`: every active row has room for
+        a whole tree step after this one (fixed:N dispatches it ahead then). Returns (state, tokens
+        [batch, n], counts [batch])."""
         gate, ctl = self.gate, self.controller
         self.back_at = time.perf_counter()
         recorded = False  # the gate recorded this step already (when it dispatched the next one)
         if self.queued is not None:
-            (then, out, new_curve, ts), self.queued = self.queued, None
-            b = 0
+            (b, then, out, new_curve, ts), self.queued = self.queued, None
         else:
             a = None if self.holding else self.curve
             take_root = self.holding or (gate is not None and (
@@ -71,18 +79,18 @@ class TreeLoop:
             if take_root:
                 # A plain AR step on the root (a tree in hand is dropped: drafting does not pay, or the
                 # best bucket is the root alone, which a root step verifies without drafting).
-                b = 0
-                state, (then, out, new_curve, ts) = self._dispatch_root(gate.root_then(context), state, active_dev,
-                                                                         next_key())
+                state, (b, then, out, new_curve, ts) = self._dispatch_root(gate.root_then(context), state,
+                                                                            active_dev, next_key())
             else:
                 probs = np.exp(np.asarray(state.tree.log_probs)) if self.kind == "bastion-paper" else None
                 b = ctl.choose(a * (gate.rho if gate else 1.0), context, active, probs, record=False)
-                then, ts = DRAFT, time.perf_counter()
-                state, out, new_curve = self.steps[b](*self.params, state, active_dev, next_key())
+                state, (b, then, out, new_curve, ts) = self._dispatch_tree(b, state, active_dev, next_key())
         if look_ahead and b == 0 and then != DRAFT:
             gate.record(then, 1)  # a root step commits exactly one token per active row
             recorded = True
             state, self.queued = self._dispatch_root(gate.root_then(context + 1), state, active_dev, next_key())
+        elif tree_ahead and self.kind == "fixed":
+            state, self.queued = self._dispatch_tree(b, state, active_dev, next_key())
         toks, counts, new_curve = jax.device_get((out.tokens, out.count, new_curve))
         # A step dispatched ahead ran partly while the host was away: time it from the host's return.
         elapsed = time.perf_counter() - max(ts, self.back_at)

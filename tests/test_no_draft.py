@@ -265,3 +265,36 @@ def test_engine_root_steps_dispatched_ahead_keep_greedy_and_stops(pair):
     assert res.tokens == ar and len(ar[0]) <= 7 < len(ar[1])
     assert res.stats.buckets[0] >= 0.8 * res.stats.steps  # root steps (with probes that draft)
     assert sum(res.stats.buckets.values()) == res.stats.steps  # every step counted once
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(0.9, top_k=20)], ids=["greedy", "T0.9"])
+def test_engine_fixed_tree_steps_dispatched_ahead(pair, monkeypatch, sampling):
+    """fixed:N dispatches each tree step before the previous one is read. A batch whose rows stop at
+    different steps (a stop token, the budget): the same tokens as the loop that never looks ahead
+    (same seed, so the same key per step), greedy equal to AR, nothing past a stop."""
+    from bastion_jax.tree_loop import TreeLoop
+
+    target, drafter = pair
+    prompts = [[5, 9, 11, 40, 41], [7, 3, 20]]
+    free = Engine(target, stop_ids=[-1]).generate(prompts, max_new_tokens=40, mode="ar", sampling=sampling,
+                                                  seed=3).tokens
+    stop = free[0][12]  # row 0 stops at its 13th token (or earlier)
+    engine = Engine(target, drafter=drafter, stop_ids=[stop], buckets=BUCKETS, top_k=4)
+    real_step, ahead = TreeLoop.step, []
+
+    def spy(self, *a, **k):
+        out = real_step(self, *a, **k)
+        ahead.append(self.queued is not None)
+        return out
+
+    monkeypatch.setattr(TreeLoop, "step", spy)
+    res = engine.generate(prompts, max_new_tokens=40, mode="fixed:4", sampling=sampling, seed=3)
+    assert sum(ahead) >= 3 and not ahead[-1]  # it looked ahead, and nothing was left queued
+    monkeypatch.setattr(TreeLoop, "step", lambda self, *a, **k: real_step(self, *a[:6], tree_ahead=False))
+    serial = engine.generate(prompts, max_new_tokens=40, mode="fixed:4", sampling=sampling, seed=3)
+    assert res.tokens == serial.tokens
+    for row in res.tokens:  # each row ends at its first stop or at the budget
+        assert stop not in row[:-1] and (row[-1] == stop or len(row) == 40)
+    if sampling.greedy:
+        assert len(res.tokens[0]) <= 13 and len(res.tokens[1]) == 40 and res.tokens[0][-1] == stop
+        assert res.tokens == Engine(target, stop_ids=[stop]).generate(prompts, max_new_tokens=40, mode="ar").tokens

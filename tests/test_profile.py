@@ -71,10 +71,14 @@ def test_profile_measurements_cover_every_cell(tiny_run):
     cells = {(p["bucket"], p["context"]) for p in raw["points"]}
     assert cells == {(b, c) for b in BUCKETS for c in CONTEXTS}
     for p in raw["points"]:
-        for k in ("step_s", "device_s", "verify_s", "forward_s", "draft_s", "loop_s", "roofline_s", "calibrated_s"):
+        for k in ("step_s", "device_s", "verify_s", "forward_s", "draft_s", "loop_s", "loop_device_s", "fixed_loop_s",
+                  "roofline_s", "calibrated_s"):
             assert finite_positive(p[k]), (k, p)
-        assert math.isfinite(p["host_s"])
-        assert p["host_s"] == pytest.approx(p["loop_s"] - p["device_s"])
+        assert math.isfinite(p["host_s"]) and math.isfinite(p["fixed_host_s"])
+        assert p["host_s"] == pytest.approx(p["loop_s"] - p["loop_device_s"])
+        assert p["fixed_host_s"] == pytest.approx(p["fixed_loop_s"] - p["device_s"])
+        # bastion's loop at b = 1 runs root steps (their own device time); above, the tree step's.
+        assert (p["loop_device_s"] == p["device_s"]) == (p["bucket"] != 1), p
     assert set(raw["ar_step_s"]) == {str(c) for c in CONTEXTS}
     assert all(finite_positive(t) for t in raw["ar_step_s"].values())
     assert raw["compilations_during_timing"] == 0  # everything was compiled before timing
@@ -87,7 +91,7 @@ def test_profile_measurements_cover_every_cell(tiny_run):
 def test_profile_markdown_has_a_row_per_cell(tiny_run):
     out, _, _ = tiny_run
     text = (out / "tiny.md").read_text()
-    rows = [line for line in text.splitlines() if line.startswith("|") and line.count("|") == 14]
+    rows = [line for line in text.splitlines() if line.startswith("|") and line.count("|") == 15]
     body = [r for r in rows if re.match(r"\| \d+ \| \d+ \|", r)]
     assert sorted((int(r.split("|")[1]), int(r.split("|")[2])) for r in body) == sorted(
         (b, c) for b in BUCKETS for c in CONTEXTS)

@@ -88,3 +88,53 @@ def test_nothing_is_dispatched_ahead_at_the_budget(monkeypatch):
     run(loop, 3, log, monkeypatch, look_ahead=lambda i: False)
     assert [e[0] for e in log] == ["dispatch", "read"] * 3
     assert gate.held == 3 and loop.queued is None
+
+
+def make_fixed_loop(log, kind="fixed", batch=2):
+    """A TreeLoop of policy `kind` whose every step is the bucket-4 tree step (fake, logging)."""
+
+    def tree(tp, dp, state, active, key):
+        log.append(("dispatch", key))
+        out = types.SimpleNamespace(tokens=np.zeros((batch, 2)), count=np.full(batch, 2, np.int32))
+        return state, out, np.zeros((batch, len(BUCKETS)))
+
+    policy = Policy.parse("fixed:4") if kind == "fixed" else Policy("bastion")
+
+    class Pinned(Controller):  # bastion's loop, its choice pinned to 4 (no gate: every step a tree step)
+        def choose(self, *a, **k):
+            return 4
+
+    controller = (Controller if kind == "fixed" else Pinned)(policy, BUCKETS, Latency())
+    return TreeLoop(kind, controller, None, {b: tree for b in BUCKETS}, None, Latency(), BUCKETS, None, None,
+                    np.zeros((batch, len(BUCKETS))))
+
+
+def run_keys(loop, n, log, monkeypatch, tree_ahead):
+    """n steps, each given its own key (the step index) when the loop asks for one."""
+    real_get = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: (log.append(("read",)), real_get(x))[1])
+    keys = iter(range(1000))
+    active = np.ones(2, bool)
+    for i in range(n):
+        loop.step(None, active, active, 10 + i, lambda: next(keys), look_ahead=True, tree_ahead=tree_ahead(i))
+
+
+def test_fixed_tree_steps_are_dispatched_one_ahead(monkeypatch):
+    """fixed:N: the next tree step goes out before this one is read, while every row has room for
+    it; each step still gets its own key, in order; at the end of the budget nothing goes ahead."""
+    log = []
+    loop = make_fixed_loop(log)
+    run_keys(loop, 6, log, monkeypatch, tree_ahead=lambda i: i < 4)
+    # Steps 0-3 dispatch the next one before their read; step 4 (dispatched by step 3) reads
+    # alone, and step 5 is dispatched and read in turn.
+    assert log == [("dispatch", 0), ("dispatch", 1), ("read",), ("dispatch", 2), ("read",), ("dispatch", 3),
+                   ("read",), ("dispatch", 4), ("read",), ("read",), ("dispatch", 5), ("read",)]
+    assert loop.queued is None and loop.controller.histogram[4] == 6
+
+
+def test_bastion_tree_steps_are_never_dispatched_ahead(monkeypatch):
+    """bastion chooses each bucket on the read curve: no tree step may go out before the read."""
+    log = []
+    loop = make_fixed_loop(log, kind="bastion")
+    run_keys(loop, 4, log, monkeypatch, tree_ahead=lambda i: True)
+    assert [e[0] for e in log] == ["dispatch", "read"] * 4
