@@ -14,10 +14,12 @@ import time
 def calibration_model(target, drafter, draft_vocab=None) -> str:
     """The models part of the calibration key: the target's and the drafter's files as they resolve on
     disk (`model_identity`), so `generate` and `profile --install` agree however a path is spelled,
-    and the draft vocabulary's size (it sets the price of a draft)."""
+    the target's layer layout, and the draft vocabulary's size (it sets the price of a draft)."""
     from bastion_jax.latency import model_identity
 
     t = model_identity(target.path) if target.path is not None else "in-memory target"
+    cfg = target.config  # how its layers run changes every step's time (`checkpoints.layer_layout`)
+    t += f"|{'scanned' if cfg.scan_layers else 'unrolled'}{' in-out' if cfg.weights_in_out else ''}"
     if drafter is None:
         return f"{t}|none"
     d = model_identity(drafter.path) if drafter.path is not None else "random"

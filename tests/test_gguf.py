@@ -119,7 +119,7 @@ def test_gguf_round_trip_matches_hf(tmp_path, tied):
     path = tmp_path / "tiny.gguf"
     _write_gguf(path, hf_model)
 
-    target = load_target(path)  # GGUF -> float32 params in memory; no tokenizer needed
+    target = load_target(path, weights_in_out=False)  # GGUF -> float32 params in memory, HF layout
     cfg = target.config
     assert (cfg.model_type, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == ("llama", 128, 32, 64)
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (

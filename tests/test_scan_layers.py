@@ -1,6 +1,8 @@
 """Scanned decoder layers (`TargetConfig.scan_layers`, the default off CPU): the same checkpoint loaded
 stacked gives the same logits, caches and greedy tokens as unrolled, in float32 and bfloat16, with the
-XLA prefix loop and with the prefix kernel; checkpoints stay per layer."""
+XLA prefix loop and with the prefix kernel; checkpoints stay per layer. Likewise the layers' linear
+weights held [in, out] (`TargetConfig.weights_in_out`, the default on CPU): same logits and tokens
+as HF's [out, in], and checkpoints stay in HF layout."""
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +23,8 @@ PROMPTS = [[5, 17, 3, 9, 22], [7, 7, 2]]
 def both(converted):
     """(unrolled, scanned) loads of one converted tiny Qwen3 checkpoint."""
     _, target = converted("qwen3")
-    return load_target(target.path, jnp.float32, scan_layers=False), load_target(target.path, jnp.float32,
-                                                                                scan_layers=True)
+    return (load_target(target.path, jnp.float32, scan_layers=False, weights_in_out=False),
+            load_target(target.path, jnp.float32, scan_layers=True, weights_in_out=False))
 
 
 def test_layouts(both):
@@ -62,8 +64,8 @@ def test_forward_logits_cache_and_taps_equal_unrolled(both):
 def test_greedy_output_equals_unrolled_ar(both, dtype, prefix):
     """AR, chain and tree decoding with scanned layers give the unrolled model's AR tokens."""
     flat, _ = both
-    scanned = load_target(flat.path, dtype, scan_layers=True)
-    unrolled = load_target(flat.path, dtype, scan_layers=False)
+    scanned = load_target(flat.path, dtype, scan_layers=True, weights_in_out=False)
+    unrolled = load_target(flat.path, dtype, scan_layers=False, weights_in_out=False)
     drafter = random_drafter(tiny_drafter_config(flat.config, num_layers=1, block_size=4), dtype, seed=3)
     want = Engine(unrolled, stop_ids=[-1]).generate(PROMPTS, max_new_tokens=14).tokens
     old = set_prefix_kernel(prefix)
@@ -80,7 +82,7 @@ def test_checkpoints_stay_per_layer(both, tmp_path):
     flat, scanned = both
     (tmp_path / "ckpt").mkdir()
     save_target(tmp_path / "ckpt", scanned.config, nnx.to_pure_dict(scanned.state))
-    back = load_target(tmp_path / "ckpt", scan_layers=False)
+    back = load_target(tmp_path / "ckpt", scan_layers=False, weights_in_out=False)
     assert "0" in {str(k) for k in nnx.to_pure_dict(back.state)["layers"]}
     for x, y in zip(jax.tree.leaves(back.state), jax.tree.leaves(flat.state)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -95,3 +97,71 @@ def test_layout_follows_the_backend():
     assert layer_layout(tcfg).scan_layers is default_scan_layers()
     assert layer_layout(tcfg, True).scan_layers and not layer_layout(tcfg, False).scan_layers
     assert "scan_layers" not in tcfg.to_hf()  # a run-time choice, never written into a checkpoint
+
+
+@pytest.fixture(scope="module")
+def hf_and_io(both):
+    """(HF layout, [in, out]) loads of the checkpoint, unrolled."""
+    flat, _ = both
+    return flat, load_target(flat.path, jnp.float32, scan_layers=False, weights_in_out=True)
+
+
+def test_weights_in_out_holds_the_transpose(hf_and_io):
+    hf, io = hf_and_io
+    assert io.config.weights_in_out and not hf.config.weights_in_out
+    for block, proj in (("self_attn", "q_proj"), ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "down_proj")):
+        w_hf = np.asarray(hf.state["layers"][1][block][proj]["weight"][...])  # [out, in]
+        w_io = np.asarray(io.state["layers"][1][block][proj]["weight"][...])  # [in, out]
+        np.testing.assert_array_equal(w_io, w_hf.T)
+    np.testing.assert_array_equal(np.asarray(io.state["embed_tokens"]["weight"][...]),
+                                  np.asarray(hf.state["embed_tokens"]["weight"][...]))  # not a layer weight
+
+
+def test_weights_in_out_logits_equal_hf_layout(hf_and_io):
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(3, hf_and_io[0].config.vocab_size, (2, 7)), jnp.int32)
+    outs = []
+    for target in hf_and_io:
+        model = nnx.merge(target.graphdef, target.state)
+        cache = KVCache.create(target.config, 2, 32, jnp.float32)
+        outs.append(model(tokens, jnp.arange(7)[None].repeat(2, 0), cache, jnp.zeros(2, jnp.int32), causal_mask(2, 7)))
+    np.testing.assert_allclose(np.asarray(outs[0].logits), np.asarray(outs[1].logits), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("scan", [False, True])
+def test_weights_in_out_greedy_output_equals_hf_layout_ar(both, dtype, scan):
+    """AR, chain and tree decoding with [in, out] weights (unrolled and scanned) give the HF-layout
+    model's AR tokens."""
+    flat, _ = both
+    io = load_target(flat.path, dtype, scan_layers=scan, weights_in_out=True)
+    want = Engine(load_target(flat.path, dtype, scan_layers=False, weights_in_out=False), stop_ids=[-1]).generate(
+        PROMPTS, max_new_tokens=14).tokens
+    drafter = random_drafter(tiny_drafter_config(flat.config, num_layers=1, block_size=4), dtype, seed=3)
+    engine = Engine(io, drafter=drafter, stop_ids=[-1], buckets=(1, 4, 8))
+    for mode in ("ar", "dflash", "fixed:8"):
+        assert engine.generate(PROMPTS, max_new_tokens=14, mode=mode).tokens == want, mode
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_weights_in_out_checkpoints_stay_hf_layout(hf_and_io, tmp_path, scan):
+    """A model holding [in, out] weights saves HF's [out, in] and loads back either way, bit for bit."""
+    hf, _ = hf_and_io
+    io = load_target(hf.path, jnp.float32, scan_layers=scan, weights_in_out=True)
+    (tmp_path / "ckpt").mkdir()
+    save_target(tmp_path / "ckpt", io.config, nnx.to_pure_dict(io.state))
+    for layout, like in ((False, hf), (True, load_target(hf.path, jnp.float32, scan_layers=False, weights_in_out=True))):
+        back = load_target(tmp_path / "ckpt", scan_layers=False, weights_in_out=layout)
+        for x, y in zip(jax.tree.leaves(back.state), jax.tree.leaves(like.state)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_weights_layout_follows_the_backend():
+    from bastion_jax.checkpoints import default_weights_in_out
+    from bastion_jax.presets import preset_configs
+
+    tcfg, _ = preset_configs("smollm2-135m", 2, 1, 4)
+    assert default_weights_in_out() is (jax.default_backend() == "cpu")
+    assert layer_layout(tcfg).weights_in_out is default_weights_in_out()
+    assert layer_layout(tcfg, weights_in_out=False).weights_in_out is False
+    assert "weights_in_out" not in tcfg.to_hf()  # a run-time choice, never written into a checkpoint

@@ -60,6 +60,34 @@ def stack_layers(tree: dict) -> dict:
     return {**tree, "layers": jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]), *rows)}
 
 
+# The decoder layers' linear weights (`Linear(in_out=True)` holds them [in, out] on CPU).
+_DENSE = {("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+          ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj")}
+
+
+def swap_dense(tree: dict) -> dict:
+    """The decoder layers' linear weights transposed (last two axes: per-layer [out, in] <-> [in, out],
+    stacked [L, out, in] <-> [L, in, out]), everything else as it is: HF layout <-> `weights_in_out`,
+    either way (its own inverse). Returns fresh dicts; arrays that do not move are shared."""
+    def swap(layer: dict) -> dict:
+        out = dict(layer)
+        for block, proj in _DENSE:
+            if block in out and proj in out[block]:
+                out[block] = dict(out[block])
+                w = out[block][proj]["weight"]
+                if isinstance(w, jax.ShapeDtypeStruct):
+                    w = jax.ShapeDtypeStruct((*w.shape[:-2], w.shape[-1], w.shape[-2]), w.dtype)
+                else:
+                    w = np.swapaxes(np.asarray(w), -1, -2) if isinstance(w, np.ndarray) else jnp.swapaxes(w, -1, -2)
+                out[block][proj] = {**out[block][proj], "weight": w}
+        return out
+
+    layers = tree["layers"]
+    if is_stacked(tree):
+        return {**tree, "layers": swap(layers)}
+    return {**tree, "layers": {i: swap(layer) for i, layer in layers.items()}}
+
+
 def match_layout(params: dict, like: dict) -> dict:
     """`params` in the layer layout of `like` (a model's pure-dict state): stacked or per layer."""
     if is_stacked(like) and not is_stacked(params):

@@ -1,7 +1,8 @@
 """Building blocks shared by the target decoder and the DFlash drafter.
 
 Parameters are stored in Hugging Face layout (`weight` of a linear layer is `[out, in]`) so that
-checkpoint conversion is a pure rename; XLA folds the transpose into the matmul.
+checkpoint conversion is a pure rename; XLA folds the transpose into the matmul. The one exception
+is `Linear(in_out=True)` (the target's layers on CPU), transposed at load and back at save.
 """
 
 from __future__ import annotations
@@ -20,16 +21,21 @@ _INIT = nnx.initializers.normal(stddev=0.02)
 
 
 class Linear(nnx.Module):
-    """`y = x W^T + b` with `W` stored `[out_features, in_features]` like `torch.nn.Linear`."""
+    """`y = x W^T + b` with `W` stored `[out_features, in_features]` like `torch.nn.Linear`, or, with
+    `in_out`, stored `[in_features, out_features]`: XLA:CPU multiplies a few rows (a verify step's
+    tree) by an [in, out] matrix about 1.5x faster than by an [out, in] one (the target's layers on
+    CPU, `TargetConfig.weights_in_out`; checkpoints stay in HF layout, `checkpoints.params`)."""
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False,
-                 dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_INIT(rngs.params(), (out_features, in_features), dtype))
+                 dtype: jnp.dtype = jnp.float32, in_out: bool = False, rngs: nnx.Rngs):
+        shape = (in_features, out_features) if in_out else (out_features, in_features)
+        self.weight = nnx.Param(_INIT(rngs.params(), shape, dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+        self.in_out = in_out  # static: part of the graph definition
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight[...]
-        y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+        y = jnp.einsum("...i,io->...o" if self.in_out else "...i,oi->...o", x.astype(w.dtype), w)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -79,10 +85,10 @@ class MLP(nnx.Module):
     """Gated feed-forward down(act(gate(x)) * up(x)) as HF's Llama/Qwen3 MLP; act = silu is SwiGLU."""
 
     def __init__(self, hidden: int, intermediate: int, *, use_bias: bool = False, act: str = "silu",
-                 dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
-        self.gate_proj = Linear(hidden, intermediate, use_bias=use_bias, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(hidden, intermediate, use_bias=use_bias, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(intermediate, hidden, use_bias=use_bias, dtype=dtype, rngs=rngs)
+                 dtype: jnp.dtype = jnp.float32, in_out: bool = False, rngs: nnx.Rngs):
+        self.gate_proj = Linear(hidden, intermediate, use_bias=use_bias, dtype=dtype, in_out=in_out, rngs=rngs)
+        self.up_proj = Linear(hidden, intermediate, use_bias=use_bias, dtype=dtype, in_out=in_out, rngs=rngs)
+        self.down_proj = Linear(intermediate, hidden, use_bias=use_bias, dtype=dtype, in_out=in_out, rngs=rngs)
         self.act = act  # a name (static, hashable), looked up in ACTIVATIONS
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -25,11 +25,11 @@ from bastion_jax.modeling.layers import MLP, Embedding, Linear, RMSNorm, apply_r
 class Attention(nnx.Module):
     def __init__(self, cfg: TargetConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         h, hq, hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = Linear(h, hq * d, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(h, hkv * d, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(h, hkv * d, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(hq * d, h, use_bias=bias, dtype=dtype, rngs=rngs)
+        bias, io = cfg.attention_bias, cfg.weights_in_out
+        self.q_proj = Linear(h, hq * d, use_bias=bias, dtype=dtype, in_out=io, rngs=rngs)
+        self.k_proj = Linear(h, hkv * d, use_bias=bias, dtype=dtype, in_out=io, rngs=rngs)
+        self.v_proj = Linear(h, hkv * d, use_bias=bias, dtype=dtype, in_out=io, rngs=rngs)
+        self.o_proj = Linear(hq * d, h, use_bias=bias, dtype=dtype, in_out=io, rngs=rngs)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
@@ -61,7 +61,7 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=cfg.mlp_bias, dtype=dtype,
-                       rngs=rngs)
+                       in_out=cfg.weights_in_out, rngs=rngs)
 
     def __call__(self, x, cos, sin, cache, layer, start, mask, active=None):
         attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, start, mask, active)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bastion_jax.checkpoints import LoadedDrafter, Target
-from bastion_jax.checkpoints.params import unstack_layers
+from bastion_jax.checkpoints.params import swap_dense, unstack_layers
 
 
 def init_from_target(drafter: LoadedDrafter, target: Target) -> LoadedDrafter:
@@ -28,6 +28,8 @@ def init_from_target(drafter: LoadedDrafter, target: Target) -> LoadedDrafter:
     if layers > n:
         raise ValueError(f"--init-from-target: the drafter has {layers} layers, the target only {n}")
     src = unstack_layers(nnx.to_pure_dict(target.state))  # fresh nested dicts, per layer
+    if target.config.weights_in_out:  # the drafter's layers keep HF's [out, in]
+        src = swap_dense(src)
     dst = nnx.to_pure_dict(drafter.state)
 
     def copy(d_tree: dict, t_tree: dict, what: str) -> None:
