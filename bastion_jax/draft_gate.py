@@ -13,7 +13,8 @@ With a the expected accepted drafts, the steady-state rates are
 
 where A_bar is an EMA of the surrogate curves A(b) of recent trees and rho an EMA of realised
 accepted drafts over the surrogate of the bucket that was verified (drafters are often
-over-confident: rho < 1 corrects them). The gate drafts next iff R_d > R_0.
+over-confident: rho < 1 corrects them). The gate drafts next iff R_d > (1 + margin) R_0: near a
+tie, drafting loses (a draft is dropped at each switch, and the estimates lag behind the text).
 
 While it does not draft it learns nothing new, so it probes: after `probe` consecutive AR steps it
 drafts once; the tree that comes back refreshes A_bar, and verifying it refreshes rho. A probe that
@@ -42,6 +43,10 @@ class DraftGate:
     pending_slots: int  # W of the feature buffer: the gate flushes before it would overflow
     block_size: int
     rate: float = 0.3  # EMA rate of A_bar and rho
+    # Drafting must beat plain AR steps by this fraction: entering it costs a draft that may be
+    # dropped, and rho / A_bar lag behind a change of text (they were learnt where drafts did well),
+    # so a predicted tie is a loss in practice.
+    margin: float = 0.1
     min_probe: int = 4
     max_probe: int = 64
     rho: float = 1.0
@@ -73,8 +78,8 @@ class DraftGate:
         return self.buckets[i], float(rates[i])
 
     def pays(self, context: int) -> bool:
-        """R_d > R_0: drafting beats plain AR steps at this context."""
-        return self.best(context)[1] > 1.0 / self.step_time(0, context, False)
+        """R_d > (1 + margin) R_0: drafting beats plain AR steps at this context, by the margin."""
+        return self.best(context)[1] > (1.0 + self.margin) / self.step_time(0, context, False)
 
     def use_tree(self, context: int) -> bool:
         """With a drafted tree in hand: verify it (a tree step, which drafts again) or not."""

@@ -12,6 +12,7 @@ handling, stop rules (`stats.Rows`) and statistics (`stats.Stats`).
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from typing import Callable, Iterator, Sequence
@@ -126,12 +127,13 @@ class Engine:
         return (self.block_size or 0) if kind == "dflash" else self.tree_slack()
 
     def calibrate(self, cache_len: int, sampling: SamplingConfig = SamplingConfig(),
-                  contexts: Sequence[int] | None = None, reps: int = 1,
+                  contexts: Sequence[int] | None = None, reps: int = 3,
                   batch: int = 1) -> list[tuple[int | str, int, float]]:
         """Offline calibration: time every bucket's step, and the root (AR) step with and without a
         draft, at a few context lengths, with `batch` rows, and fit the latency model (which from
-        then on prices steps of that batch). Steps run with the rows inactive, so the context length
-        stays put."""
+        then on prices steps of that batch) to the median of `reps` timings per point (one timing
+        is off by 10-20% now and then on a busy CPU, and the draft gate decides on these prices).
+        Steps run with the rows inactive, so the context length stays put."""
         self.latency = self.latency.for_batch(batch)
         slack = self.tree_slack()
         top = cache_len - slack - 1
@@ -151,13 +153,15 @@ class Engine:
         samples = []
         for b, step in variants.items():
             for c in contexts:
+                times = []
                 for r in range(reps + 1):  # the first run of each point is a warm-up
                     state = state.replace(length=jnp.full((batch,), c, jnp.int32))
                     t0 = time.perf_counter()
                     state, out, _ = step(exe.target_params, dstate, state, inactive, key)
                     jax.block_until_ready(out.count)
                     if r:
-                        samples.append((b, c, time.perf_counter() - t0))
+                        times.append(time.perf_counter() - t0)
+                samples.append((b, c, statistics.median(times)))
         self.latency.fit(samples)
         return samples
 

@@ -5,6 +5,7 @@ import types
 
 import jax
 import numpy as np
+import pytest
 
 from bastion_jax.controller import Controller, Policy
 from bastion_jax.draft_gate import DraftGate
@@ -138,3 +139,16 @@ def test_bastion_tree_steps_are_never_dispatched_ahead(monkeypatch):
     loop = make_fixed_loop(log, kind="bastion")
     run_keys(loop, 4, log, monkeypatch, tree_ahead=lambda i: True)
     assert [e[0] for e in log] == ["dispatch", "read"] * 4
+
+
+@pytest.mark.parametrize("gain, margin, drafts", [(1.05, 0.1, False), (1.05, 0.0, True), (1.2, 0.1, True),
+                                                   (0.95, 0.0, False)])
+def test_gate_drafts_only_past_its_margin(gain, margin, drafts):
+    """R_d = gain x R_0 (AR step 1.0, a drafting bucket-4 step 2.0, rho A_bar(4) = 2 gain - 1): the
+    gate drafts iff R_d > (1 + margin) R_0, whether it holds a tree (use_tree) or not (root_then)."""
+    step_time = lambda b, c, draft: 1.0 if b == 0 else 2.0  # noqa: E731
+    gate = DraftGate((4,), step_time, pending_slots=64, block_size=4, margin=margin)
+    gate.rho, gate.a_bar = 1.0, np.array([2 * gain - 1])
+    gate.probe = 100  # no probe due
+    assert gate.use_tree(10) is drafts
+    assert (gate.root_then(10) == DRAFT) is drafts
