@@ -17,8 +17,9 @@ over-confident: rho < 1 corrects them). The gate drafts next iff R_d > (1 + marg
 tie, drafting loses (a draft is dropped at each switch, and the estimates lag behind the text).
 
 While it does not draft it learns nothing new, so it probes: after `probe` consecutive AR steps it
-drafts once; the tree that comes back refreshes A_bar, and verifying it refreshes rho. A probe that
-does not pay doubles the interval (up to `max_probe`); one that pays resets it.
+drafts once; the tree that comes back refreshes A_bar, and it is verified whatever the estimates
+say, which refreshes rho. A probe that does not pay doubles the interval (up to `max_probe`); one
+that pays resets it.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class DraftGate:
     pending: int = 0  # buffered feature rows (max over rows)
     drafted: int = 0  # how many steps drafted (statistics)
     held: int = 0
+    probing: bool = False  # the last root step drafted as a probe: verify its tree
 
     def observe_tree(self, curve: np.ndarray) -> None:
         """A fresh tree arrived: curve [n_buckets] = A(b) (mean over active rows)."""
@@ -82,8 +84,11 @@ class DraftGate:
         return self.best(context)[1] > (1.0 + self.margin) / self.step_time(0, context, False)
 
     def use_tree(self, context: int) -> bool:
-        """With a drafted tree in hand: verify it (a tree step, which drafts again) or not."""
-        return self.pays(context)
+        """With a drafted tree in hand: verify it (a tree step, which drafts again) or not. A probe's
+        tree is always verified: only a verify refreshes rho, and a rho learnt where drafts did badly
+        would otherwise keep the gate from ever seeing that they now do well."""
+        probing, self.probing = self.probing, False
+        return probing or self.pays(context)
 
     def root_then(self, context: int) -> int:
         """`then` of a root step: DRAFT when drafting pays or a probe is due, FLUSH when the feature
@@ -93,6 +98,7 @@ class DraftGate:
             return DRAFT
         if self.since_draft + 1 >= self.probe:
             self.probe = min(2 * self.probe, self.max_probe)
+            self.probing = True  # its tree is verified whatever the estimates say (`use_tree`)
             return DRAFT  # probe: a fresh tree tells whether the text became predictable
         if self.pending + 2 > self.pending_slots:
             return FLUSH  # the next held row would not fit: catch the drafter up without drafting

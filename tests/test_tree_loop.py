@@ -152,3 +152,22 @@ def test_gate_drafts_only_past_its_margin(gain, margin, drafts):
     gate.probe = 100  # no probe due
     assert gate.use_tree(10) is drafts
     assert (gate.root_then(10) == DRAFT) is drafts
+
+
+def test_a_probes_tree_is_verified_whatever_the_estimates():
+    """A gate that learnt drafts do badly (rho = 0) still verifies the tree of each probe, so rho can
+    learn they now do well; the tree after it is verified only if drafting pays."""
+    step_time = lambda b, c, draft: 1.0 if b == 0 else 1.6  # noqa: E731
+    gate = DraftGate((4,), step_time, pending_slots=64, block_size=4)
+    gate.rho, gate.a_bar = 0.0, np.array([3.0])
+    thens = []
+    for _ in range(4):
+        thens.append(gate.root_then(10))
+        gate.record(thens[-1], 1)
+    assert thens == [HOLD, HOLD, HOLD, DRAFT]  # the 4th AR step probes
+    assert gate.use_tree(10)  # the probe's tree: verified
+    gate.observe_verify(4, 3.0, 2.4)  # it did well: rho 0 -> 0.24
+    assert gate.rho > 0.2 and not gate.use_tree(10)  # not yet worth it: (0.24 * 3 + 1) / 1.6 < 1.1
+    for _ in range(3):
+        gate.observe_verify(4, 3.0, 2.4)
+    assert gate.use_tree(10)  # rho ~0.61: (0.61 * 3 + 1) / 1.6 > 1.1
