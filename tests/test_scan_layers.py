@@ -128,8 +128,7 @@ def test_weights_in_out_logits_equal_hf_layout(hf_and_io):
     np.testing.assert_allclose(np.asarray(outs[0].logits), np.asarray(outs[1].logits), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("dtype, scan", [(jnp.float32, False), (jnp.bfloat16, True)])
 def test_weights_in_out_greedy_output_equals_hf_layout_ar(both, dtype, scan):
     """AR, chain and tree decoding with [in, out] weights (unrolled and scanned) give the HF-layout
     model's AR tokens."""
