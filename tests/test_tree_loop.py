@@ -54,12 +54,14 @@ def make_loop(log, batch=2):
     return loop, gate
 
 
-def run(loop, n, log, monkeypatch, look_ahead=lambda i: True, batch=2):
+def run(loop, n, log, monkeypatch, look_ahead=lambda i: True, tree_ahead=lambda i: False, batch=2):
+    """n steps, each given its own key (the step index) when the loop asks for one; reads are logged."""
     real_get = jax.device_get
     monkeypatch.setattr(jax, "device_get", lambda x: (log.append(("read",)), real_get(x))[1])
+    keys = iter(range(1000))
     active = np.ones(batch, bool)
     for i in range(n):
-        loop.step(None, active, active, 10 + i, lambda: None, look_ahead(i))
+        loop.step(None, active, active, 10 + i, lambda: next(keys), look_ahead(i), tree_ahead(i))
 
 
 def test_held_root_steps_are_dispatched_one_ahead(monkeypatch):
@@ -110,22 +112,12 @@ def make_fixed_loop(log, kind="fixed", batch=2):
                     np.zeros((batch, len(BUCKETS))))
 
 
-def run_keys(loop, n, log, monkeypatch, tree_ahead):
-    """n steps, each given its own key (the step index) when the loop asks for one."""
-    real_get = jax.device_get
-    monkeypatch.setattr(jax, "device_get", lambda x: (log.append(("read",)), real_get(x))[1])
-    keys = iter(range(1000))
-    active = np.ones(2, bool)
-    for i in range(n):
-        loop.step(None, active, active, 10 + i, lambda: next(keys), look_ahead=True, tree_ahead=tree_ahead(i))
-
-
 def test_fixed_tree_steps_are_dispatched_one_ahead(monkeypatch):
     """fixed:N: the next tree step goes out before this one is read, while every row has room for
     it; each step still gets its own key, in order; at the end of the budget nothing goes ahead."""
     log = []
     loop = make_fixed_loop(log)
-    run_keys(loop, 6, log, monkeypatch, tree_ahead=lambda i: i < 4)
+    run(loop, 6, log, monkeypatch, tree_ahead=lambda i: i < 4)
     # Steps 0-3 dispatch the next one before their read; step 4 (dispatched by step 3) reads
     # alone, and step 5 is dispatched and read in turn.
     assert log == [("dispatch", 0), ("dispatch", 1), ("read",), ("dispatch", 2), ("read",), ("dispatch", 3),
@@ -137,7 +129,7 @@ def test_bastion_tree_steps_are_never_dispatched_ahead(monkeypatch):
     """bastion chooses each bucket on the read curve: no tree step may go out before the read."""
     log = []
     loop = make_fixed_loop(log, kind="bastion")
-    run_keys(loop, 4, log, monkeypatch, tree_ahead=lambda i: True)
+    run(loop, 4, log, monkeypatch, tree_ahead=lambda i: True)
     assert [e[0] for e in log] == ["dispatch", "read"] * 4
 
 
