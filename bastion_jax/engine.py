@@ -27,6 +27,7 @@ from bastion_jax.controller import DEFAULT_BUCKETS, Controller, Policy, PolicyEr
 from bastion_jax.draft_gate import DraftGate
 from bastion_jax.executables import Executables
 from bastion_jax.latency import AR, AR_DRAFT, DevicePeaks, LatencyModel, ModelDims
+from bastion_jax.lookup import LookupConfig
 from bastion_jax.sampling import SamplingConfig, sampler
 from bastion_jax.speculative import DraftVocab
 from bastion_jax.stats import Result, Rows, Stats
@@ -64,7 +65,8 @@ class Engine:
                  stop_ids: Sequence[int] | None = None, proposal: Callable | None = None,
                  block_size: int | None = None, mask_token_id: int = 0,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, top_k: int = 128,
-                 latency: LatencyModel | None = None, draft_vocab: DraftVocab | None = None):
+                 latency: LatencyModel | None = None, draft_vocab: DraftVocab | None = None,
+                 lookup: LookupConfig | None = LookupConfig()):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -85,9 +87,10 @@ class Engine:
         if draft_vocab is not None and (drafter is None or proposal is not None):
             raise GenerationError("a draft vocabulary restricts a drafter's LM head: it needs a drafter and no proposal")
         self.draft_vocab = draft_vocab
+        self.lookup = lookup
         self.executables = Executables(target, drafter, proposal=proposal, block_size=block_size,
                                        mask_token_id=mask_token_id, buckets=self.buckets, top_k=top_k,
-                                       draft_vocab=draft_vocab)
+                                       draft_vocab=draft_vocab, lookup=lookup)
         self._gate_memory: dict = {}  # the draft gate's acceptance estimates, kept across requests
         self.latency = latency or self.default_latency_model()
         self._batch_latency: dict[int, LatencyModel] = {}  # models for other batch sizes than self.latency's

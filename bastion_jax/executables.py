@@ -3,8 +3,8 @@
 `Executables` lowers and compiles each pure step function (`decoding`, `speculative`,
 `tree_decoding`) ahead of time (`jit(...).lower(...).compile()`) for the shapes a request needs,
 and keeps them in a table keyed by what changes the compiled code (step, sampling, batch, cache
-length, buckets, tree width, draft vocabulary size). It counts every compilation it does, so the
-engine (and the tests) can prove a second request with the same shapes compiles nothing. The
+length, buckets, tree width, draft vocabulary size, context lookup). It counts every compilation it
+does, so the engine (and the tests) can prove a second request with the same shapes compiles nothing. The
 engine, the profiler and the benchmarks all get their steps here.
 """
 
@@ -18,6 +18,7 @@ from flax import nnx
 
 from bastion_jax import decoding, speculative, tree_decoding
 from bastion_jax.checkpoints import LoadedDrafter, Target
+from bastion_jax.lookup import LookupConfig
 from bastion_jax.modeling.cache import KVCache
 from bastion_jax.sampling import SamplingConfig, sampler
 from bastion_jax.speculative import DraftVocab
@@ -47,8 +48,8 @@ class Executables:
 
     def __init__(self, target: Target, drafter: LoadedDrafter | None, *, proposal: Callable | None,
                  block_size: int | None, mask_token_id: int, buckets: tuple[int, ...], top_k: int,
-                 draft_vocab: DraftVocab | None):
-        self.target, self.drafter, self.proposal = target, drafter, proposal
+                 draft_vocab: DraftVocab | None, lookup: LookupConfig | None = None):
+        self.target, self.drafter, self.proposal, self.lookup = target, drafter, proposal, lookup
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.buckets, self.top_k, self.draft_vocab = buckets, top_k, draft_vocab
         # The steps take plain nested dicts of arrays: flattening an `nnx.State` (nested State nodes
@@ -97,7 +98,8 @@ class Executables:
         if cfg is None:
             cfg = self._configs[sampling.greedy] = StepConfig.of(
                 self.target, self.drafter, sampling=sampling, buckets=self.buckets, top_k=self.top_k,
-                proposal=self.proposal, block_size=self.block_size, mask_token_id=self.mask_token_id)
+                proposal=self.proposal, block_size=self.block_size, mask_token_id=self.mask_token_id,
+                lookup=self.lookup)
         return cfg
 
     @property

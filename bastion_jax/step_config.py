@@ -2,7 +2,7 @@
 
 Every jitted step (`decoding`, `speculative`, `tree_decoding`) takes it as its first, static
 argument: the models' graph definitions, greedy or not, the drafter's block and mask token,
-the tapped target layers, an optional proposal hook, the tree buckets and width. Two calls with
+the tapped target layers, an optional proposal hook, the tree buckets and width, the context lookup. Two calls with
 equal configs and shapes share one compiled executable; anything that changes the compiled code
 is in here, so a changed setting can never silently reuse a stale compilation. Temperature,
 top-k and top-p are not: they travel as arrays in the `sampling.Sampler` each step takes, so a
@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 import jax
 from flax import nnx
 
+from bastion_jax.lookup import LookupConfig
 from bastion_jax.sampling import SamplingConfig
 
 # proposal(root [b], root position [b], drafter logits [b, B-1, V]) -> logits: replaces or edits the
@@ -35,6 +36,7 @@ class StepConfig:
     proposal: Optional[Proposal] = None
     buckets: tuple[int, ...] = (1,)  # tree sizes a tree step can verify (the tree holds max(buckets) nodes)
     top_k: int = 1  # tree width: children considered per node
+    lookup: Optional[LookupConfig] = None  # context-lookup chain in every draft tree (see `lookup.py`); None: off
 
     def __hash__(self) -> int:
         """Computed once: hashing a GraphDef walks the whole module graph (~2 ms at SmolLM2), and the
@@ -48,7 +50,8 @@ class StepConfig:
     @classmethod
     def of(cls, target, drafter=None, *, sampling: SamplingConfig = SamplingConfig(),
            buckets: Sequence[int] = (1,), top_k: int = 1, proposal: Optional[Proposal] = None,
-           block_size: Optional[int] = None, mask_token_id: int = 0) -> "StepConfig":
+           block_size: Optional[int] = None, mask_token_id: int = 0,
+           lookup: Optional[LookupConfig] = None) -> "StepConfig":
         """The config for a loaded target (and drafter): block size, mask token and taps come from the
         drafter's config when there is one (`block_size` / `mask_token_id` serve a drafter-less
         proposal)."""
@@ -57,4 +60,5 @@ class StepConfig:
         return cls(target_def=target.graphdef, drafter_def=drafter.graphdef if drafter is not None else None,
                    greedy=sampling.greedy, block_size=block_size or 0, mask_token_id=mask_token_id,
                    tap_layers=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
-                   proposal=proposal, buckets=tuple(sorted(set(int(b) for b in buckets))), top_k=top_k)
+                   proposal=proposal, buckets=tuple(sorted(set(int(b) for b in buckets))), top_k=top_k,
+                   lookup=lookup)

@@ -17,6 +17,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from bastion_jax.lookup import Chain
+
 
 class Tree(NamedTuple):
     """A draft tree of `n` nodes, node 0 the root; per-row arrays (add a leading batch axis)."""
@@ -28,10 +30,16 @@ class Tree(NamedTuple):
     ancestors: jax.Array  # [n, n] bool; [i, j] = node j is node i or an ancestor of i
 
 
-def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int) -> Tree:
+def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int, ids: jax.Array | None = None,
+               chain: Chain | None = None) -> Tree:
     """Top `num_nodes - 1` prefixes of the lattice `log_probs` [depth, vocab] under `root`.
 
-    `log_probs` row d-1 is the drafter's log-distribution for depth d (block slot d).
+    `log_probs` row d-1 is the drafter's log-distribution for depth d (block slot d); `ids` [vocab]
+    maps its columns to token ids (a reduced draft vocabulary; default: the column is the id).
+    `chain` (a context-lookup chain, see `lookup.py`) adds its token at each depth as a candidate and
+    scores paths in two states: on the chain (every token so far equals the chain's), a child equal
+    to the chain's next token has probability w + (1 - w) p and any other child (1 - w) p, with
+    w = chain.first at depth 1 and chain.cont deeper; off the chain the drafter's p alone.
     """
     depth, vocab = log_probs.shape
     m = num_nodes - 1  # non-root nodes
@@ -39,7 +47,15 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     # The barrier keeps XLA:CPU from rewriting top-k + the gathers below into a full sort of the
     # vocabulary (195 ms -> 3 ms per tree at SmolLM2's 49k vocab); GPU is unaffected.
     top_lp, top_tok = jax.lax.optimization_barrier(jax.lax.top_k(log_probs.astype(jnp.float32), k))  # [depth, k]
+    if ids is not None:
+        top_tok = ids[top_tok]
     neg_inf = jnp.float32(-jnp.inf)
+    if chain is None:
+        on_lp = off_lp = top_lp
+    else:
+        top_lp, top_tok, on_lp = _with_chain(top_lp, top_tok, chain)
+        off_lp = top_lp
+        k = k + 1
 
     def keep_best(scores: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Top m of a flat candidate list, padded with -inf when there are fewer than m."""
@@ -47,17 +63,22 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
             scores = jnp.concatenate([scores, jnp.full((m - scores.shape[0],), neg_inf)])
         return jax.lax.top_k(scores, m)
 
-    # Depth 1: children of the root.
-    s, idx = keep_best(top_lp[0])  # [m]
-    level_scores, level_parent, level_tok = [s], [jnp.full((m,), -1, jnp.int32)], [
-        jnp.where(idx < k, top_tok[0][jnp.minimum(idx, k - 1)], -1)]
+    # Depth 1: children of the root (on the chain, if there is one).
+    s, idx = keep_best(on_lp[0])  # [m]
+    tok = jnp.where(idx < k, top_tok[0][jnp.minimum(idx, k - 1)], -1)
+    level_scores, level_parent, level_tok = [s], [jnp.full((m,), -1, jnp.int32)], [tok]
+    on = (tok >= 0) & (tok == (chain.tokens[0] if chain is not None else -1))  # [m] still on the chain
     for d in range(1, depth):
-        cand = (level_scores[-1][:, None] + top_lp[d][None, :]).reshape(-1)  # [m * k]
+        lp = jnp.where(on[:, None], on_lp[d][None, :], off_lp[d][None, :])  # [m, k]
+        cand = (level_scores[-1][:, None] + lp).reshape(-1)  # [m * k]
         s, idx = keep_best(cand)
         parent, rank = idx // k, idx % k
+        tok = top_tok[d][rank]
+        if chain is not None:
+            on = on[parent] & (tok == chain.tokens[d])
         level_scores.append(s)
         level_parent.append(parent.astype(jnp.int32))
-        level_tok.append(top_tok[d][rank])
+        level_tok.append(tok)
 
     scores = jnp.concatenate(level_scores)  # [depth * m], candidate c = (d-1) * m + local
     cand_depth = jnp.repeat(jnp.arange(1, depth + 1, dtype=jnp.int32), m)
@@ -80,6 +101,24 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     tree_depths = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.where(valid, sel_depth, 0)])
     tree_lp = jnp.concatenate([jnp.zeros((1,), jnp.float32), sel_scores])
     return Tree(tree_tokens, tree_parents, tree_depths, tree_lp, ancestor_mask(tree_parents, depth))
+
+
+def _with_chain(top_lp: jax.Array, top_tok: jax.Array, chain: Chain) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The candidates [depth, k + 1] with the chain's token added as a last column (-inf off the chain;
+    -inf both ways when it is already a candidate or there is none), and their on-chain log-probs."""
+    depth = top_lp.shape[0]
+    look = chain.tokens[:, None]  # [depth, 1]
+    w = jnp.where(jnp.arange(depth) == 0, chain.first, chain.cont)[:, None]  # [depth, 1]
+    w = jnp.where(look >= 0, w, 0.0)
+    is_look = (top_tok == look) & (look >= 0)  # [depth, k]
+    extra = (look >= 0) & ~is_look.any(axis=1, keepdims=True)  # the chain's token is not a candidate
+    mixed = jnp.log((1.0 - w) * jnp.exp(top_lp) + jnp.where(is_look, w, 0.0))  # [depth, k]
+    on_lp = jnp.where(w > 0, mixed, top_lp)  # past the chain's end the drafter's own numbers, exactly
+    neg_inf = jnp.float32(-jnp.inf)
+    top_tok = jnp.concatenate([top_tok, jnp.where(extra, look, -1)], axis=1)  # [depth, k + 1]
+    top_lp = jnp.concatenate([top_lp, jnp.full((depth, 1), neg_inf)], axis=1)
+    on_lp = jnp.concatenate([on_lp, jnp.where(extra, jnp.log(w), neg_inf)], axis=1)
+    return top_lp, top_tok, on_lp
 
 
 def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from bastion_jax.decoding import prefill_target
+from bastion_jax.lookup import find_chain, write_history
 from bastion_jax.modeling.cache import KVCache, causal_mask, write_rows
 from bastion_jax.sampling import sample
 from bastion_jax.speculative import DraftVocab, StepOutput, draft_logits, merge_models
@@ -37,6 +38,9 @@ class TreeState:
     # positions [length - pending_len, length). The next drafting step injects them first.
     pending: jax.Array  # [b, W, F]
     pending_len: jax.Array  # [b]
+    # Every row's tokens by position, the root last (history[length] = root): the context lookup's
+    # text. [b, L], L = the target cache's slots; kept (and updated) whether or not lookup is on.
+    history: jax.Array
 
 
 def pending_slots(block_size: int) -> int:
@@ -58,16 +62,19 @@ def root_tree(root: jax.Array, like: Tree) -> Tree:
 
 
 def _next_tree(cfg: StepConfig, target, drafter, drafter_cache, features, ctx_start, ctx_len, root, draft_vocab=None,
-               active=None):
+               active=None, history=None, root_pos=None):
     logits, drafter_cache = draft_logits(target, drafter, drafter_cache, features, ctx_start, ctx_len, root,
                                          block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                                          proposal=cfg.proposal, draft_vocab=draft_vocab, active=active)
     buckets = cfg.buckets
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [b, B-1, vocab or N]
-    tree = jax.vmap(build_tree, in_axes=(0, 0, None, None))(root, log_probs, max(buckets), cfg.top_k)
-    if draft_vocab is not None:  # node tokens index the draft vocabulary; the root is a target id already
-        is_node = jnp.arange(tree.tokens.shape[1])[None] > 0
-        tree = tree._replace(tokens=jnp.where(is_node, draft_vocab.to_target(tree.tokens), tree.tokens))
+    ids = draft_vocab.ids if draft_vocab is not None else None  # columns of a reduced vocabulary -> token ids
+    if cfg.lookup is not None and history is not None:
+        chain = jax.vmap(find_chain, in_axes=(None, 0, 0, None))(cfg.lookup, history, root_pos, cfg.block_size - 1)
+        tree = jax.vmap(build_tree, in_axes=(0, 0, None, None, None, 0))(root, log_probs, max(buckets), cfg.top_k,
+                                                                          ids, chain)
+    else:
+        tree = jax.vmap(build_tree, in_axes=(0, 0, None, None, None))(root, log_probs, max(buckets), cfg.top_k, ids)
     curve = jax.vmap(surrogate_curve, in_axes=(0, None))(tree, buckets)  # [b, n_buckets]
     return tree, curve, drafter_cache
 
@@ -80,15 +87,19 @@ def tree_prefill(cfg: StepConfig, target_state, drafter_state, target_cache: KVC
     target, drafter = merge_models(cfg, target_state, drafter_state)
     root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, cfg.greedy,
                                                   cfg.tap_layers)
+    batch, slots = root.shape[0], target_cache.max_len
+    history = jnp.zeros((batch, slots), jnp.int32).at[:, :tokens.shape[1]].set(tokens[:, :slots])
+    history = write_history(history, root[:, None], lengths, jnp.ones_like(lengths))  # [b, L]
     tree, curve, drafter_cache = _next_tree(cfg, target, drafter, drafter_cache, features, jnp.zeros_like(lengths),
-                                            lengths, root, draft_vocab)
-    pending = jnp.zeros((root.shape[0], pending_slots(cfg.block_size), features.shape[-1]), features.dtype)
+                                            lengths, root, draft_vocab, history=history, root_pos=lengths)
+    pending = jnp.zeros((batch, pending_slots(cfg.block_size), features.shape[-1]), features.dtype)
     # `lengths + 0`: a fresh buffer, so the first step can donate the state without a copy.
-    return TreeState(target_cache, drafter_cache, tree, lengths + 0, pending, jnp.zeros_like(lengths)), curve
+    return TreeState(target_cache, drafter_cache, tree, lengths + 0, pending, jnp.zeros_like(lengths), history), curve
 
 
 def _then(cfg: StepConfig, then: int, target, drafter, state: TreeState, pending: jax.Array, pending_len: jax.Array,
-          ctx_start: jax.Array, root: jax.Array, draft_vocab: Optional[DraftVocab], active: jax.Array):
+          ctx_start: jax.Array, root: jax.Array, draft_vocab: Optional[DraftVocab], active: jax.Array,
+          history: jax.Array, root_pos: jax.Array):
     """What a step does after committing (`then` is static: each variant is its own executable, so
     a step that holds never touches the drafter cache): HOLD buffers the features (the next step is
     a root step), DRAFT drafts the next tree (injecting every buffered feature first), FLUSH injects
@@ -98,7 +109,7 @@ def _then(cfg: StepConfig, then: int, target, drafter, state: TreeState, pending
         return state.drafter_cache, root_tree(root, state.tree), no_curve, pending_len
     if then == DRAFT:
         tree, curve, dcache = _next_tree(cfg, target, drafter, state.drafter_cache, pending, ctx_start, pending_len,
-                                         root, draft_vocab, active)
+                                         root, draft_vocab, active, history, root_pos)
         return dcache, tree, curve, jnp.zeros_like(pending_len)
     if then != FLUSH:
         raise ValueError(f"then must be HOLD (0), DRAFT (1) or FLUSH (2), got {then!r}")
@@ -137,10 +148,12 @@ def tree_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
     new_length = jnp.where(active, length + accepted + 1, length)
     n_ctx = jnp.where(active, accepted + 1, 0)
     pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len, active)  # [b, W, F]
+    # The accepted drafts and the bonus (the new root) go to positions length + 1 .. new_length.
+    history = write_history(state.history, emitted, length + 1, jnp.where(active, accepted + 1, 0))
     drafter_cache, next_tree, curve, pending_len = _then(
         cfg, then, target, drafter, state, pending, state.pending_len + n_ctx, length - state.pending_len, bonus,
-        draft_vocab, active)
-    new_state = TreeState(target_cache, drafter_cache, next_tree, new_length, pending, pending_len)
+        draft_vocab, active, history, new_length)
+    new_state = TreeState(target_cache, drafter_cache, next_tree, new_length, pending, pending_len, history)
     return new_state, StepOutput(emitted, accepted + 1), curve
 
 
@@ -160,10 +173,11 @@ def root_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
     features = (out.taps if out.taps is not None else jnp.zeros((root.shape[0], 1, 1), jnp.float32))  # [b, 1, F]
     n_new = active.astype(jnp.int32)
     pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len, active)
+    history = write_history(state.history, choice[:, None], length + 1, n_new)
     drafter_cache, next_tree, curve, pending_len = _then(
         cfg, then, target, drafter, state, pending, state.pending_len + n_new, length - state.pending_len, choice,
-        draft_vocab, active)
-    new_state = TreeState(out.cache, drafter_cache, next_tree, length + n_new, pending, pending_len)
+        draft_vocab, active, history, length + n_new)
+    new_state = TreeState(out.cache, drafter_cache, next_tree, length + n_new, pending, pending_len, history)
     return new_state, StepOutput(choice[:, None], jnp.ones_like(length)), curve
 
 

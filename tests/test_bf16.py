@@ -4,6 +4,12 @@ In bf16 a verify forward over a tree (many rows at once) and an AR step (one row
 matmuls differently; if logits were produced in bf16, near-ties would flip the argmax between the
 two and speculative output would drift from AR. Logits are accumulated in float32
 (`Transformer.logits`), which these tests pin down over 64+ tokens and several prompts.
+
+Exact equality cannot hold at a bfloat16 tie, though: a verify forward and an AR step sum in
+different orders, and this flat random target (top logits ~0.38 apart by ~1e-3) has such ties. The
+random-drafter test therefore accepts a row that parts from AR exactly at a tie
+(`testing.bf16_tie_divergences`); with the context lookup's deep trees on, one prompt does so at
+token 37 (logits 0.3781 vs 0.3776; the float32 model prefers the other token).
 """
 
 import jax.numpy as jnp
@@ -11,7 +17,9 @@ import pytest
 
 from bastion_jax.checkpoints import load_target, random_drafter
 from bastion_jax.engine import Engine
-from bastion_jax.testing import DraftingPays, greedy_continuation, save_tiny_hf, tiny_drafter_config
+from bastion_jax.testing import (
+    DraftingPays, bf16_tie_divergences, greedy_continuation, save_tiny_hf, tiny_drafter_config,
+)
 from bastion_jax.checkpoints import convert
 
 BLOCK = 6
@@ -47,7 +55,9 @@ def test_bf16_random_drafter_greedy_equals_ar(bf16_target, mode):
     engine = Engine(bf16_target, drafter=drafter, stop_ids=[-1], buckets=(1, 4, 8, 16), top_k=4)
     ar = engine.generate(PROMPTS, max_new_tokens=N_NEW, mode="ar").tokens
     assert all(len(t) == N_NEW for t in ar)
-    assert engine.generate(PROMPTS, max_new_tokens=N_NEW, mode=mode).tokens == ar
+    got = engine.generate(PROMPTS, max_new_tokens=N_NEW, mode=mode).tokens
+    assert sum(g == a for g, a in zip(got, ar)) >= len(PROMPTS) - 1  # at most one row at a tie
+    assert bf16_tie_divergences(bf16_target, PROMPTS, got, ar) == []
 
 
 @pytest.mark.parametrize("mode", ["dflash", "fixed:16", "bastion"])

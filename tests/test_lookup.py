@@ -1,0 +1,165 @@
+"""Context lookup: the chain found on device vs a Python scan, history writes, and draft trees with a
+chain vs brute-force enumeration of the two-state path scores."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bastion_jax.lookup import Chain, LookupConfig, find_chain, write_history
+from bastion_jax.tree import build_tree
+from tests.test_tree import node_paths, random_lattice
+
+CFG = LookupConfig(max_ngram=3, first=(0.2, 0.5, 0.7), cont=(0.6, 0.7, 0.8))
+
+
+def chain_by_scan(cfg: LookupConfig, text: list[int], depth: int) -> tuple[list[int], int]:
+    """(chain tokens padded with -1, match length n): the longest suffix of n <= max_ngram tokens
+    with an earlier occurrence, its latest one, the tokens after it up to the end of `text`."""
+    r = len(text) - 1
+    for n in range(min(cfg.max_ngram, r + 1), 0, -1):
+        suffix = text[r - n + 1:]
+        for end in range(r - 1, n - 2, -1):
+            if text[end - n + 1:end + 1] == suffix:
+                chain = text[end + 1:end + 1 + depth]
+                return chain + [-1] * (depth - len(chain)), n
+    return [-1] * depth, 0
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_chain_equals_python_scan(seed):
+    rng = np.random.default_rng(seed)
+    slots, depth = 24, 5
+    vocab = int(rng.integers(2, 6))  # small vocabularies: matches of every length occur
+    history = rng.integers(0, vocab, slots).astype(np.int32)
+    root_pos = int(rng.integers(0, slots))
+    got = jax.jit(find_chain, static_argnums=(0, 3))(CFG, jnp.asarray(history), jnp.int32(root_pos), depth)
+    want, n = chain_by_scan(CFG, history[:root_pos + 1].tolist(), depth)
+    assert np.asarray(got.tokens).tolist() == want
+    assert float(got.first) == pytest.approx(CFG.first[n - 1] if n else 0.0)
+    assert float(got.cont) == pytest.approx(CFG.cont[n - 1] if n else 0.0)
+
+
+def test_chain_ignores_slots_past_the_root():
+    """Tokens after the root (padding, rejected drafts) are never matched or copied."""
+    history = jnp.asarray([5, 1, 2, 9, 1, 2, 7, 7, 7], jnp.int32)
+    got = find_chain(CFG, history, jnp.int32(5), 4)  # text 5 1 2 9 1 2: "1 2" matched at 1..2
+    assert np.asarray(got.tokens).tolist() == [9, 1, 2, -1]
+    assert float(got.first) == pytest.approx(0.5)
+
+
+def test_write_history_writes_count_tokens_and_drops_the_rest():
+    history = jnp.zeros((2, 6), jnp.int32)
+    out = write_history(history, jnp.asarray([[1, 2, 3], [4, 5, 6]]), jnp.asarray([1, 4]), jnp.asarray([2, 3]))
+    assert np.asarray(out).tolist() == [[0, 1, 2, 0, 0, 0], [0, 0, 0, 0, 4, 5]]  # row 1: slot 6 is past the end
+
+
+def two_state_brute_force(lp: np.ndarray, m: int, top_k: int, chain: list[int], first: float, cont: float):
+    """Every path of the candidates (each depth's top-k plus the chain's token), scored on the chain
+    as log(w + (1 - w) p) for the chain's token and log((1 - w) p) for others, off it as log p."""
+    depth, vocab = lp.shape
+    p = np.exp(lp)
+    cands = []
+    for d in range(depth):
+        c = list(np.argsort(-lp[d])[:top_k])
+        if chain[d] >= 0 and chain[d] not in c:
+            c.append(chain[d])
+        cands.append(c)
+    top = [set(np.argsort(-lp[d])[:top_k].tolist()) for d in range(depth)]
+    paths = []
+    for n in range(1, depth + 1):
+        for toks in itertools.product(*cands[:n]):
+            score, on = 0.0, True
+            for d, t in enumerate(toks):
+                w = (first if d == 0 else cont) if chain[d] >= 0 else 0.0
+                if on and w > 0:
+                    q = (1 - w) * (p[d, t] if t in top[d] else 0.0) + (w if t == chain[d] else 0.0)
+                    score += np.log(q) if q > 0 else -np.inf
+                else:
+                    score += lp[d, t] if t in top[d] else -np.inf
+                on = on and t == chain[d]
+            if np.isfinite(score):
+                paths.append((score, toks))
+    paths.sort(key=lambda x: (-x[0], len(x[1])))
+    return paths[:m]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_tree_with_chain_equals_brute_force(seed):
+    rng = np.random.default_rng(100 + seed)
+    depth, vocab = int(rng.integers(2, 5)), int(rng.integers(3, 6))
+    top_k = int(rng.integers(2, vocab))
+    lp = random_lattice(rng, depth, vocab)
+    chain = rng.integers(0, vocab, depth).tolist()
+    cut = int(rng.integers(1, depth + 1))  # the chain may end before the block does
+    chain = chain[:cut] + [-1] * (depth - cut)
+    first, cont = float(rng.uniform(0.1, 0.9)), float(rng.uniform(0.1, 0.9))
+    ref = two_state_brute_force(lp, 80, top_k, chain, first, cont)
+    n = int(rng.integers(2, len(ref) + 3))
+    c = Chain(jnp.asarray(chain, jnp.int32), jnp.float32(first), jnp.float32(cont))
+    tree = jax.jit(build_tree, static_argnums=(2, 3))(jnp.int32(7), jnp.asarray(lp), n, top_k, None, c)
+    valid = np.asarray(tree.tokens)[1:] >= 0
+    want = ref[: n - 1]
+    assert valid.sum() == len(want)
+    assert node_paths(tree)[: len(want)] == [tuple(int(t) for t in path) for _, path in want]
+    np.testing.assert_allclose(np.asarray(tree.log_probs)[1:][valid], [s for s, _ in want], rtol=1e-5, atol=1e-5)
+
+
+def test_no_chain_gives_the_drafters_tree():
+    """A row without a match (tokens -1, weights 0) gets exactly the tree it gets with lookup off."""
+    rng = np.random.default_rng(3)
+    lp = jnp.asarray(random_lattice(rng, 4, 9))
+    none = Chain(jnp.full((4,), -1, jnp.int32), jnp.float32(0.0), jnp.float32(0.0))
+    a, b = build_tree(jnp.int32(1), lp, 20, 3), build_tree(jnp.int32(1), lp, 20, 3, None, none)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_draft_vocabulary_ids_map_candidates():
+    """With `ids`, candidates are token ids (the chain is compared in id space)."""
+    rng = np.random.default_rng(4)
+    lp = jnp.asarray(random_lattice(rng, 3, 5))
+    ids = jnp.asarray([10, 20, 30, 40, 50], jnp.int32)
+    plain = build_tree(jnp.int32(1), lp, 12, 3)
+    mapped = build_tree(jnp.int32(1), lp, 12, 3, ids)
+    want = np.where(np.arange(12) > 0, np.asarray(ids)[np.maximum(np.asarray(plain.tokens), 0)], 1)
+    want = np.where(np.asarray(plain.tokens) < 0, -1, want)
+    np.testing.assert_array_equal(np.asarray(mapped.tokens), want)
+
+
+def test_a_path_that_left_the_chain_gets_no_chain_probability():
+    """After a token other than the chain's, the chain's later tokens are the drafter's own (here
+    outside its top-k, so never proposed): the chain state follows the path, not the depth."""
+    lp = np.log(np.asarray([[0.05, 0.9, 0.05, 1e-6], [0.9, 0.05, 0.05, 1e-6], [0.5, 0.5 - 2e-6, 1e-6, 1e-6]]))
+    lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+    chain = Chain(jnp.asarray([2, 0, 3], jnp.int32), jnp.float32(0.5), jnp.float32(0.9))  # c1 = 2, not the top
+    tree = build_tree(jnp.int32(9), jnp.asarray(lp, jnp.float32), 12, 2, None, chain)
+    paths = node_paths(tree)
+    assert (2, 0, 3) in paths  # on the chain: token 3 (outside the top 2) is proposed with w = 0.9
+    assert (1, 0, 3) not in paths  # left the chain at depth 1: token 3 is not a candidate there
+    assert two_state_brute_force(lp, 11, 2, [2, 0, 3], 0.5, 0.9) == [
+        (pytest.approx(float(s), abs=1e-5), p) for s, p in zip(np.asarray(tree.log_probs)[1:], paths)]
+
+
+@pytest.mark.parametrize("mode", ["fixed:4", "fixed:8"])
+def test_engine_lookup_raises_acceptance_and_keeps_greedy_output(converted, mode):
+    """A random drafter accepts almost nothing; on a target that repeats itself (this tiny one loops)
+    the lookup's chains are accepted, and the output still equals AR's token for token."""
+    from bastion_jax.checkpoints import random_drafter
+    from bastion_jax.engine import Engine
+    from bastion_jax.testing import DraftingPays, tiny_drafter_config
+
+    _, target = converted("qwen3")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=6), seed=2)
+    prompts = [[5, 9, 11, 40, 41, 5, 9, 11], [7, 3, 20]]
+    taus = {}
+    for lookup in (None, LookupConfig()):
+        engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4, 8), top_k=4, lookup=lookup,
+                        latency=DraftingPays())
+        ar = engine.generate(prompts, max_new_tokens=48, mode="ar").tokens
+        res = engine.generate(prompts, max_new_tokens=48, mode=mode)
+        assert res.tokens == ar
+        taus[lookup is not None] = res.stats.tau
+    assert taus[True] > taus[False] + 0.3, taus
