@@ -1,5 +1,5 @@
 """Plumbing shared by the command-line tools: progress on stderr, bad input as one `error:` line,
-the --dtype flag."""
+the --dtype and --lookup flags."""
 
 from __future__ import annotations
 
@@ -31,3 +31,20 @@ def resolve_dtype(name: str):
 
 def dtype_note(flag: str) -> str:
     return "the checkpoint's dtype" if flag == "auto" else "--dtype"
+
+
+LOOKUP_HELP = ("context lookup in the tree modes: on (default) adds the continuation of the latest earlier "
+               "occurrence of the text's last 1-4 tokens to every draft tree, as a chain beside the drafter's "
+               "candidates; off: the drafter's candidates only (the official BASTION trees). Output is unchanged "
+               "either way")
+
+
+def add_lookup_flag(parser) -> None:
+    parser.add_argument("--lookup", default="on", choices=["on", "off"], help=LOOKUP_HELP)
+
+
+def resolve_lookup(flag: str):
+    """A --lookup value: the default `LookupConfig` or None (off)."""
+    from bastion_jax.lookup import LookupConfig
+
+    return LookupConfig() if flag == "on" else None

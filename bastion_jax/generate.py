@@ -8,7 +8,7 @@ import sys
 import time
 
 from bastion_jax.calibration import calibration_model, load_or_calibrate
-from bastion_jax.cli import dtype_note, fail, resolve_dtype, stderr_log
+from bastion_jax.cli import add_lookup_flag, dtype_note, fail, resolve_dtype, resolve_lookup, stderr_log
 
 DEFAULT_PROMPT_HELP = "With no --target, the embedded SmolLM2-135M-Instruct is used."
 DEFAULT_BLOCK_SIZE = 16  # of a --drafter random
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", default="auto", help="drafter LM head restricted to the N most frequent "
                    "target tokens (FR-Spec; the ranking ships beside the drafter as vocab_ranking.npy): auto (8192 "
                    "when the drafter has a ranking), full, or N. Output is unchanged: verification uses every token")
+    add_lookup_flag(p)
     p.add_argument("--tree-top-k", type=int, default=128,
                    help="tree width: drafter candidates per block position when building trees (default 128, "
                         "capped at the vocab)")
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         elif draft_vocab is not None:
             log(f"draft vocabulary: the {draft_vocab.ids.shape[0]} most frequent tokens (--draft-vocab full: all)")
         engine = Engine(target, tokenizer, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
-                        draft_vocab=draft_vocab)
+                        draft_vocab=draft_vocab, lookup=resolve_lookup(args.lookup))
         ids = [encode_prompt(tokenizer, p, chat=not args.no_chat, system=args.system) for p in prompts]
         # One cache length for every run of this request (the compared AR run too: same attention cost).
         cache_len = engine.cache_len_for([len(x) for x in ids], args.max_new_tokens, args.max_len,

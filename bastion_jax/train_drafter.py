@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from bastion_jax.cli import fail, stderr_log
+from bastion_jax.cli import add_lookup_flag, fail, resolve_lookup, stderr_log
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEFAULT_SOURCES = ("gsm8k_train.jsonl.gz", "code_alpaca_2k.jsonl.gz")
@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--modes", default="dflash,fixed:32,bastion", help="comma-separated policies besides ar "
                    "(default dflash,fixed:32,bastion)")
     e.add_argument("--buckets", default="1,4,8,16,32,64", help="tree sizes compiled (default 1,4,8,16,32,64)")
+    add_lookup_flag(e)
     e.add_argument("--tree-top-k", type=int, default=128)
     e.add_argument("--draft-vocab", default="auto", help="as generate --draft-vocab (auto, full or N)")
     e.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default 8)")
@@ -248,7 +249,8 @@ def run_eval(args, target, log) -> None:
     tok = load_tokenizer(target)
     buckets = parse_buckets(args.buckets)
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
-                    draft_vocab=resolve_draft_vocab(target, drafter, args.draft_vocab))
+                    draft_vocab=resolve_draft_vocab(target, drafter, args.draft_vocab),
+                    lookup=resolve_lookup(args.lookup))
     sets = {}
     for spec in args.prompts:
         path = resolve_prompt_file(spec)
@@ -270,7 +272,7 @@ def run_eval(args, target, log) -> None:
         meta = {"drafter": str(drafter_dir), "target": str(target.path), "dtype": target.dtype.name,
                 "device": jax.devices()[0].device_kind, "date": datetime.date.today().isoformat(),
                 "max_new_tokens": args.max_new_tokens, "buckets": list(buckets), "tree_top_k": args.tree_top_k,
-                "draft_vocab": args.draft_vocab, "batch_size": args.batch_size,
+                "draft_vocab": args.draft_vocab, "lookup": args.lookup, "batch_size": args.batch_size,
                 "prompts": {n: len(p) for n, p in sets.items()}}
         training = Path(drafter_dir) / "training.json"
         if training.is_file():
@@ -278,8 +280,8 @@ def run_eval(args, target, log) -> None:
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "tau": report}, indent=2))
         head = [f"# Acceptance: {Path(drafter_dir).name}", "",
                 f"{meta['device']}, {meta['date']}, {meta['dtype']}; {args.max_new_tokens} new tokens, T=0, "
-                f"first {args.max_prompts} prompts per set, batches of {args.batch_size}; tau = mean committed "
-                "tokens per row step (accepted drafts + 1).", ""]
+                f"first {args.max_prompts} prompts per set, batches of {args.batch_size}, context lookup {args.lookup} "
+                "(tree modes); tau = mean committed tokens per row step (accepted drafts + 1).", ""]
         out.with_suffix(".md").write_text("\n".join(head + lines) + "\n")
         log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
 

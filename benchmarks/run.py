@@ -18,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+from bastion_jax.cli import add_lookup_flag
 from bastion_jax.acceptance import STANDARD_SETS, PromptError, read_prompts, resolve_prompt_file
 from benchmarks.report import commit, markdown_table, per_set, plot, write_csv
 
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fixed", default="4,16,64", help="fixed:N sweep sizes (must be buckets)")
     p.add_argument("--draft-vocab", default="auto", help="drafter LM head over the N most frequent tokens: auto, "
                    "full or N (see python -m bastion_jax.generate --help)")
+    add_lookup_flag(p)
     p.add_argument("--tree-top-k", type=int, default=128, help="tree width: drafter candidates per position "
                    "(default 128)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from bastion_jax.controller import parse_buckets
     from bastion_jax.default_model import default_target_dir
     from bastion_jax.engine import Engine
-    from bastion_jax.cli import resolve_dtype
+    from bastion_jax.cli import resolve_dtype, resolve_lookup
     from bastion_jax.presets import tiny_drafter_config
     from bastion_jax.text import encode_prompt, load_tokenizer
 
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     from bastion_jax.speculative import resolve_draft_vocab
 
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
-                    draft_vocab=resolve_draft_vocab(target, drafter, args.draft_vocab))
+                    draft_vocab=resolve_draft_vocab(target, drafter, args.draft_vocab),
+                    lookup=resolve_lookup(args.lookup))
     modes = ["ar", "dflash"] + [f"fixed:{n}" for n in parse_buckets(args.fixed)] + ["bastion"]
     if max(buckets) >= 32:
         modes.append("bastion-paper")
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": device, "date": datetime.date.today().isoformat(), "target": str(target_path),
             "drafter": args.drafter, "dtype": target.dtype.name, "max_new_tokens": args.max_new_tokens,
             "buckets": list(buckets), "prompt_files": [Path(f).name for f in args.prompts],
-            "prompts": len(prompts), "commit": commit()}
+            "prompts": len(prompts), "lookup": args.lookup, "commit": commit()}
     training = Path(args.drafter) / "training.json"
     if training.is_file():  # how the drafter was trained travels with its numbers
         meta["drafter_training"] = json.loads(training.read_text())
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "overall": overall, "tau_by_source": by_source,
                                                                 "rows": rows}, indent=2))
     lines = [f"# {args.name}", "", f"{meta['device']}, {meta['date']}, {meta['dtype']}, drafter {args.drafter}, "
-             f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, T=0", "",
+             f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, T=0, context lookup {args.lookup}", "",
              "| mode | tau | tokens/s | ratio to AR | identical to AR | buckets |", "|---|---|---|---|---|---|"]
     for m, o in overall.items():
         hist = " ".join(f"{b}:{n}" for b, n in sorted(o["buckets"].items()))
