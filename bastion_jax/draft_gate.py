@@ -16,6 +16,10 @@ accepted drafts over the surrogate of the bucket that was verified (drafters are
 over-confident: rho < 1 corrects them). The gate drafts next iff R_d > (1 + margin) R_0: near a
 tie, drafting loses (a draft is dropped at each switch, and the estimates lag behind the text).
 
+A step in hand sharpens A_bar: a drafted tree's own curve, and after a step that did not draft the
+context lookup's chain curve (`lookup.chain_curve`, computed on device without the drafter: a long
+match means a copy is coming). Either enters as max(A_bar, curve) for that decision only.
+
 While it does not draft it learns nothing new, so it probes: after `probe` consecutive AR steps it
 drafts once; the tree that comes back refreshes A_bar, and it is verified whatever the estimates
 say, which refreshes rho. A probe that does not pay doubles the interval (up to `max_probe`); one
@@ -71,29 +75,32 @@ class DraftGate:
             r = float(np.clip(accepted / surrogate, 0.0, 2.0))
             self.rho = (1 - self.rate) * self.rho + self.rate * r
 
-    def best(self, context: int) -> tuple[int, float]:
-        """(bucket, tokens/s) of the best drafting step under the current estimates."""
+    def best(self, context: int, curve: np.ndarray | None = None) -> tuple[int, float]:
+        """(bucket, tokens/s) of the best drafting step under the current estimates; `curve` [n_buckets]
+        (this step's tree or lookup chain) counts where it beats A_bar."""
         if self.a_bar is None:
             return self.buckets[-1], float("inf")
-        rates = [(self.rho * a + 1.0) / self.step_time(b, context, True) for b, a in zip(self.buckets, self.a_bar)]
+        a_bar = self.a_bar if curve is None else np.maximum(self.a_bar, curve)
+        rates = [(self.rho * a + 1.0) / self.step_time(b, context, True) for b, a in zip(self.buckets, a_bar)]
         i = int(np.argmax(rates))
         return self.buckets[i], float(rates[i])
 
-    def pays(self, context: int) -> bool:
+    def pays(self, context: int, curve: np.ndarray | None = None) -> bool:
         """R_d > (1 + margin) R_0: drafting beats plain AR steps at this context, by the margin."""
-        return self.best(context)[1] > (1.0 + self.margin) / self.step_time(0, context, False)
+        return self.best(context, curve)[1] > (1.0 + self.margin) / self.step_time(0, context, False)
 
-    def use_tree(self, context: int) -> bool:
-        """With a drafted tree in hand: verify it (a tree step, which drafts again) or not. A probe's
-        tree is always verified: only a verify refreshes rho, and a rho learnt where drafts did badly
-        would otherwise keep the gate from ever seeing that they now do well."""
+    def use_tree(self, context: int, curve: np.ndarray | None = None) -> bool:
+        """With a drafted tree in hand (its curve [n_buckets]): verify it (a tree step, which drafts
+        again) or not. A probe's tree is always verified: only a verify refreshes rho, and a rho learnt
+        where drafts did badly would otherwise keep the gate from ever seeing that they now do well."""
         probing, self.probing = self.probing, False
-        return probing or self.pays(context)
+        return probing or self.pays(context, curve)
 
-    def root_then(self, context: int) -> int:
-        """`then` of a root step: DRAFT when drafting pays or a probe is due, FLUSH when the feature
-        buffer could not take another held step, else HOLD. Call `record` once the step returned."""
-        if self.pays(context):
+    def root_then(self, context: int, hint: np.ndarray | None = None) -> int:
+        """`then` of a root step: DRAFT when drafting pays (with `hint`, the lookup chain's curve after
+        the last step read, if any) or a probe is due, FLUSH when the feature buffer could not take
+        another held step, else HOLD. Call `record` once the step returned."""
+        if self.pays(context, hint):
             self.probe = self.min_probe
             return DRAFT
         if self.since_draft + 1 >= self.probe:

@@ -83,6 +83,17 @@ def find_chain(cfg: LookupConfig, history: jax.Array, root_pos: jax.Array, depth
     return Chain(tokens, first, cont)
 
 
+def chain_curve(chain: Chain, buckets: tuple[int, ...]) -> jax.Array:
+    """The surrogate A(b) of a tree holding only the chain, per bucket: sum over its first b - 1
+    nodes of first * cont^(d - 1). What a step that did not draft reports, so the draft gate sees a
+    copy coming (a long match) without running the drafter. One row; vmap for rows."""
+    depth = chain.tokens.shape[0]
+    d = jnp.arange(depth, dtype=jnp.float32)
+    probs = jnp.where(chain.tokens >= 0, chain.first * chain.cont ** d, 0.0)  # [depth]
+    cum = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(probs)])  # [depth + 1]
+    return cum[jnp.asarray([min(b - 1, depth) for b in buckets])]
+
+
 def write_history(history: jax.Array, tokens: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
     """history [b, L] with each row's first `count[b]` of `tokens` [b, t] written at slots start[b]..;
     the rest of `tokens` (and anything past the buffer) is dropped, never clamped onto other slots."""

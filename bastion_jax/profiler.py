@@ -256,14 +256,14 @@ class _Holding:
     def __init__(self, gate):
         self.gate = gate
 
-    def use_tree(self, context: int) -> bool:
-        self.gate.use_tree(context)
+    def use_tree(self, context: int, curve=None) -> bool:
+        self.gate.use_tree(context, curve)
         return False
 
-    def root_then(self, context: int) -> int:
+    def root_then(self, context: int, hint=None) -> int:
         from bastion_jax.tree_decoding import HOLD
 
-        self.gate.root_then(context)
+        self.gate.root_then(context, hint)
         return HOLD
 
     def record(self, then: int, committed: int) -> None:

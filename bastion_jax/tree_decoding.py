@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from bastion_jax.decoding import prefill_target
-from bastion_jax.lookup import find_chain, write_history
+from bastion_jax.lookup import chain_curve, find_chain, write_history
 from bastion_jax.modeling.cache import KVCache, causal_mask, write_rows
 from bastion_jax.sampling import sample
 from bastion_jax.speculative import DraftVocab, StepOutput, draft_logits, merge_models
@@ -103,8 +103,14 @@ def _then(cfg: StepConfig, then: int, target, drafter, state: TreeState, pending
     """What a step does after committing (`then` is static: each variant is its own executable, so
     a step that holds never touches the drafter cache): HOLD buffers the features (the next step is
     a root step), DRAFT drafts the next tree (injecting every buffered feature first), FLUSH injects
-    the buffer without drafting. Returns (drafter cache, next tree, curve [b, n_buckets], pending_len)."""
-    no_curve = jnp.zeros((root.shape[0], len(cfg.buckets)), jnp.float32)
+    the buffer without drafting. Returns (drafter cache, next tree, curve [b, n_buckets], pending_len):
+    the curve of the drafted tree, or for HOLD / FLUSH the lookup chain's alone (zeros without lookup),
+    a hint for the draft gate."""
+    if cfg.lookup is not None:  # a step that does not draft reports the lookup chain's own curve
+        chain = jax.vmap(find_chain, in_axes=(None, 0, 0, None))(cfg.lookup, history, root_pos, cfg.block_size - 1)
+        no_curve = jax.vmap(chain_curve, in_axes=(0, None))(chain, cfg.buckets)  # [b, n_buckets]
+    else:
+        no_curve = jnp.zeros((root.shape[0], len(cfg.buckets)), jnp.float32)
     if then == HOLD:
         return state.drafter_cache, root_tree(root, state.tree), no_curve, pending_len
     if then == DRAFT:

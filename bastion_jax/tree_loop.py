@@ -47,6 +47,7 @@ class TreeLoop:
         if gate is not None:
             gate.observe_tree(self.curve.mean(axis=0))
         self.holding = False  # the last step did not draft: no tree in hand, the next step is a root step
+        self.hint: np.ndarray | None = None  # the lookup chain's curve after the last step that did not draft
         self.queued: tuple | None = None  # (bucket, then, out, curve, dispatched at) of a step dispatched ahead
         self.back_at = 0.0  # when the host last came back to the loop (its reads are timed from there)
 
@@ -75,11 +76,12 @@ class TreeLoop:
         else:
             a = None if self.holding else self.curve
             take_root = self.holding or (gate is not None and (
-                not gate.use_tree(context) or ctl.choose(a * gate.rho, context, active, record=False) == 1))
+                not gate.use_tree(context, a[active].mean(axis=0))
+                or ctl.choose(a * gate.rho, context, active, record=False) == 1))
             if take_root:
                 # A plain AR step on the root (a tree in hand is dropped: drafting does not pay, or the
                 # best bucket is the root alone, which a root step verifies without drafting).
-                state, (b, then, out, new_curve, ts) = self._dispatch_root(gate.root_then(context), state,
+                state, (b, then, out, new_curve, ts) = self._dispatch_root(gate.root_then(context, self.hint), state,
                                                                             active_dev, next_key())
             else:
                 probs = np.exp(np.asarray(state.tree.log_probs)) if self.kind == "bastion-paper" else None
@@ -88,7 +90,8 @@ class TreeLoop:
         if look_ahead and b == 0 and then != DRAFT:
             gate.record(then, 1)  # a root step commits exactly one token per active row
             recorded = True
-            state, self.queued = self._dispatch_root(gate.root_then(context + 1), state, active_dev, next_key())
+            state, self.queued = self._dispatch_root(gate.root_then(context + 1, self.hint), state, active_dev,
+                                                     next_key())
         elif tree_ahead and self.kind == "fixed":
             state, self.queued = self._dispatch_tree(b, state, active_dev, next_key())
         toks, counts, new_curve = jax.device_get((out.tokens, out.count, new_curve))
@@ -109,4 +112,5 @@ class TreeLoop:
                 gate.observe_tree(new_curve[active].mean(axis=0))
         self.holding = then != DRAFT
         self.curve = new_curve
+        self.hint = new_curve[active].mean(axis=0) if self.holding and active.any() else None
         return state, toks, counts

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bastion_jax.lookup import Chain, LookupConfig, find_chain, write_history
+from bastion_jax.lookup import Chain, LookupConfig, chain_curve, find_chain, write_history
 from bastion_jax.tree import build_tree
 from tests.test_tree import node_paths, random_lattice
 
@@ -163,3 +163,51 @@ def test_engine_lookup_raises_acceptance_and_keeps_greedy_output(converted, mode
         assert res.tokens == ar
         taus[lookup is not None] = res.stats.tau
     assert taus[True] > taus[False] + 0.3, taus
+
+
+def test_chain_curve_is_the_chains_path_probability_sum():
+    chain = Chain(jnp.asarray([4, 5, 6, -1, -1], jnp.int32), jnp.float32(0.5), jnp.float32(0.8))
+    curve = np.asarray(chain_curve(chain, (1, 2, 3, 8)))
+    np.testing.assert_allclose(curve, [0.0, 0.5, 0.5 + 0.4, 0.5 + 0.4 + 0.32], rtol=1e-6)
+    none = Chain(jnp.full((5,), -1, jnp.int32), jnp.float32(0.0), jnp.float32(0.0))
+    assert np.asarray(chain_curve(none, (1, 4))).tolist() == [0.0, 0.0]
+
+
+def test_a_root_step_that_does_not_draft_reports_the_lookup_chains_curve(converted):
+    """After a root step that does not draft, the curve the step returns is the lookup chain's own
+    (the draft gate's hint), computed from the token history the step extended with its own token;
+    without lookup it is zero. Forty such steps on a tiny target that falls into a loop."""
+    from bastion_jax.checkpoints import random_drafter
+    from bastion_jax.engine import Engine
+    from bastion_jax.sampling import SamplingConfig, sampler
+    from bastion_jax.testing import tiny_drafter_config
+    from bastion_jax.tree_decoding import FLUSH, HOLD
+
+    _, target = converted("qwen3")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=6), seed=2)
+    key = sampler(jax.random.PRNGKey(0), SamplingConfig())
+    lookup = LookupConfig()
+    prompt = [5, 9, 11, 40, 41]
+    for on in (False, True):
+        ex = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4, 8), top_k=4,
+                    lookup=lookup if on else None).executables
+        prefill, _ = ex.tree(1, 16, 64, SamplingConfig(), ())
+        toks = jnp.asarray([prompt + [0] * (16 - len(prompt))], jnp.int32)
+        state, _ = prefill(ex.target_params, ex.drafter_params, ex.new_cache(1, 64), ex.new_drafter_cache(1, 64),
+                           toks, jnp.asarray([len(prompt)], jnp.int32), key)
+        text = prompt + [int(state.tree.tokens[0, 0])]
+        roots = ex.roots(1, 64, SamplingConfig())
+        longest = 0.0
+        for i in range(40):
+            then = HOLD if i % 2 else FLUSH  # (flushes keep the feature buffer from filling up)
+            state, out, curve = roots[then](ex.target_params, ex.drafter_params, state, jnp.ones((1,), bool), key)
+            text.append(int(out.tokens[0, 0]))  # the new root
+            assert np.asarray(state.history[0, :len(text)]).tolist() == text
+            if not on:
+                assert np.asarray(curve).tolist() == [[0.0, 0.0, 0.0]]
+                continue
+            chain, n = chain_by_scan(lookup, text, 5)
+            p = [lookup.first[n - 1] * lookup.cont[n - 1] ** d if t >= 0 else 0.0 for d, t in enumerate(chain)]
+            np.testing.assert_allclose(np.asarray(curve)[0], [0.0, sum(p[:3]), sum(p[:5])], rtol=1e-5, atol=1e-7)
+            longest = max(longest, float(np.asarray(curve)[0, -1]))
+        assert not on or longest > 1.0, text  # the loop gives long matches

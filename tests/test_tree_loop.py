@@ -163,3 +163,18 @@ def test_a_probes_tree_is_verified_whatever_the_estimates():
     for _ in range(3):
         gate.observe_verify(4, 3.0, 2.4)
     assert gate.use_tree(10)  # rho ~0.61: (0.61 * 3 + 1) / 1.6 > 1.1
+
+
+def test_a_strong_tree_or_lookup_hint_makes_the_gate_draft():
+    """A_bar says drafting does not pay (rho A_bar(4) = 0.5: R_d = 0.75 R_0), but the tree in hand, or
+    after a held step the lookup chain's curve, promises 2.0 accepted drafts (R_d = 1.5 R_0): that
+    decision drafts; the next one, without them, holds again (A_bar itself is not moved by a hint)."""
+    step_time = lambda b, c, draft: 1.0 if b == 0 else 2.0  # noqa: E731
+    gate = DraftGate((4,), step_time, pending_slots=64, block_size=4)
+    gate.rho, gate.a_bar = 1.0, np.array([0.5])
+    gate.probe = 100  # no probe due
+    strong = np.array([2.0])
+    assert not gate.use_tree(10) and gate.use_tree(10, strong)
+    assert gate.root_then(10) == HOLD
+    assert gate.root_then(10, strong) == DRAFT
+    assert gate.root_then(10, np.array([0.2])) == HOLD and gate.a_bar[0] == 0.5
