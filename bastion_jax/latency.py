@@ -165,6 +165,7 @@ class LatencyModel:
     beta: dict[int | str, float] = dataclasses.field(default_factory=dict)
     ema: dict[int | str, float] = dataclasses.field(default_factory=dict)  # measured / predicted
     ema_rate: float = 0.1
+    ema_step: float = 2.0  # one measurement counts as at most this factor off the current prediction
     batch: int = 1  # rows of the steps it prices (a step computes every row of its compiled batch)
 
     def for_batch(self, batch: int) -> "LatencyModel":
@@ -222,11 +223,18 @@ class LatencyModel:
             self.ema.pop(b, None)
 
     def observe(self, b: int, c: int, seconds: float) -> None:
-        """Online calibration: EMA of measured / predicted for this bucket."""
+        """Online calibration: the correction of bucket b (measured / fitted) follows the measurements
+        in log space, each one moving it by at most a factor `ema_step` ** ema_rate. One outlier,
+        such as an executable's first run (seen at 9x its steady time on CPU: one-time set-up inside
+        XLA), barely moves it; a steady error of any size is still reached, a few steps per doubling.
+        A single timing taken as the truth priced a bucket 9x too high, and the gate never drafted
+        again to learn otherwise."""
         base = self.alpha.get(b, 1.0) * self.raw(b, c) + self.beta.get(b, 0.0)
-        if base > 0 and math.isfinite(seconds):
-            r = seconds / base
-            self.ema[b] = r if b not in self.ema else (1 - self.ema_rate) * self.ema[b] + self.ema_rate * r
+        if base > 0 and math.isfinite(seconds) and seconds > 0:
+            current = self.ema.get(b, 1.0)
+            err = math.log(seconds / (base * current))
+            limit = math.log(self.ema_step)
+            self.ema[b] = current * math.exp(self.ema_rate * min(max(err, -limit), limit))
 
     # -- persistence -----------------------------------------------------------------------
     # A saved calibration is only valid for the exact setting it was measured in, so the key hashes

@@ -156,6 +156,21 @@ def test_controller_picks_bucket_maximising_tokens_per_second():
         Controller(Policy.parse("fixed:8"), (1, 4, 16), lat)
 
 
+def test_online_correction_shrugs_off_an_outlier_and_follows_a_steady_error():
+    dims = ModelDims(layers=2, hidden=64, n_q=4, n_kv=2, head_dim=16, ffn=128, vocab=96)
+    lat = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8))
+    fitted = lat.predict(8, 512)
+    lat.observe(8, 512, 9 * fitted)  # an executable's first, cold run
+    assert lat.predict(8, 512) < 1.1 * fitted
+    for _ in range(10):
+        lat.observe(8, 512, fitted)
+    assert lat.predict(8, 512) == pytest.approx(fitted, rel=0.03)
+    for _ in range(120):  # the step really takes 5x what was fitted
+        lat.observe(8, 512, 5 * fitted)
+    assert lat.predict(8, 512) == pytest.approx(5 * fitted, rel=0.01)
+    assert lat.predict(1, 512) == LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8)).predict(1, 512)
+
+
 def test_latency_fit_recovers_linear_calibration_and_persists(tmp_path):
     dims = ModelDims(layers=2, hidden=64, n_q=4, n_kv=2, head_dim=16, ffn=128, vocab=96)
     lat = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8))
@@ -165,8 +180,8 @@ def test_latency_fit_recovers_linear_calibration_and_persists(tmp_path):
         assert lat.predict(b, c) == pytest.approx(t, rel=1e-6)
     fitted = lat.predict(8, 512)
     lat.save(tmp_path / "cal.json", "tiny", "float32", 4)  # the offline fit is what gets saved
-    lat.observe(8, 512, 2 * fitted)  # online: a slower measurement moves the EMA
-    assert lat.ema[8] == pytest.approx(2.0) and lat.predict(8, 512) == pytest.approx(2 * fitted)
+    lat.observe(8, 512, 2 * fitted)  # online: a slower measurement moves the correction (log-space EMA)
+    assert lat.ema[8] == pytest.approx(2.0 ** 0.1) and lat.predict(8, 512) == pytest.approx(2.0 ** 0.1 * fitted)
     with pytest.raises(ValueError, match="online"):  # an EMA-corrected model never overwrites a calibration
         lat.save(tmp_path / "cal.json", "tiny", "float32", 4)
     fresh = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8))
