@@ -59,6 +59,8 @@ class Engine:
 
     `proposal` (dflash mode) replaces or edits the drafter's per-position logits inside the jitted
     step; with no drafter it is the only source of drafts (`block_size` must then be given).
+    `lookup` adds the context-lookup chain to every draft tree of the tree modes (`lookup.py`; on by
+    default, None turns it off and gives the drafter's trees alone, as the official BASTION code).
     """
 
     def __init__(self, target: Target, tokenizer=None, *, drafter: LoadedDrafter | None = None,
