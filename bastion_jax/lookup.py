@@ -19,10 +19,12 @@ before. Verification is unchanged: any tree is lossless.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 # P(first token right) and P(next right | previous right) per match length n = 1..4, measured on the
 # shipped pair's target-written greedy training responses (runs/data, 500 records, first 96 tokens).
@@ -33,11 +35,13 @@ SMOLLM2_CONT = (0.64, 0.70, 0.75, 0.85)
 @dataclasses.dataclass(frozen=True)
 class LookupConfig:
     """Static settings of the context lookup: the longest suffix matched (`max_ngram`; shorter ones
-    are tried when it has no earlier occurrence) and the chain's probabilities per match length."""
+    are tried when it has no earlier occurrence) and the chain's probabilities per match length, a
+    prior that each request's own outcomes update (`probabilities`)."""
 
     max_ngram: int = 4
     first: tuple[float, ...] = SMOLLM2_FIRST  # [max_ngram] P(c_1 right) for a match of n = 1.. tokens
     cont: tuple[float, ...] = SMOLLM2_CONT  # [max_ngram] P(c_d right | c_<d right)
+    prior_weight: float = 8.0  # the table counts as this many trials against what a request's chains do
 
     def __post_init__(self):
         if self.max_ngram < 1:
@@ -54,14 +58,17 @@ class Chain(NamedTuple):
     tokens: jax.Array  # [depth] int32 c_1..c_D; -1 where there is none (no match, or past the known text)
     first: jax.Array  # [] f32 P(c_1 right); 0 when there is no chain
     cont: jax.Array  # [] f32 P(c_d right | c_<d right)
+    order: jax.Array | None = None  # [] int32 the match length n (0: no chain)
 
 
-def find_chain(cfg: LookupConfig, history: jax.Array, root_pos: jax.Array, depth: int) -> Chain:
+def find_chain(cfg: LookupConfig, history: jax.Array, root_pos: jax.Array, depth: int,
+               probs: tuple[jax.Array, jax.Array] | None = None) -> Chain:
     """The lookup chain after the root at `root_pos` for one row's token `history` [L].
 
     history[0..root_pos] are the row's tokens so far (prompt, committed tokens, the root last). The
     longest suffix of n <= max_ngram tokens ending at the root with an earlier occurrence ending at
     e < root_pos wins; for it the latest such e, and the chain is history[e + 1 ..], cut at the root.
+    `probs` (first [max_ngram], cont [max_ngram]) replaces the config's table (see `probabilities`).
     """
     slots = history.shape[0]
     e = jnp.arange(slots)  # candidate end of an earlier occurrence
@@ -77,10 +84,90 @@ def find_chain(cfg: LookupConfig, history: jax.Array, root_pos: jax.Array, depth
     src = best_end + 1 + jnp.arange(depth)  # [depth]
     found = best_n > 0
     tokens = jnp.where(found & (src <= root_pos), history[jnp.clip(src, 0, slots - 1)], -1).astype(jnp.int32)
+    first, cont = probs if probs is not None else (jnp.asarray(cfg.first, jnp.float32), jnp.asarray(cfg.cont, jnp.float32))
     idx = jnp.maximum(best_n - 1, 0)
-    first = jnp.where(found, jnp.asarray(cfg.first, jnp.float32)[idx], 0.0)
-    cont = jnp.where(found, jnp.asarray(cfg.cont, jnp.float32)[idx], 0.0)
-    return Chain(tokens, first, cont)
+    return Chain(tokens, jnp.where(found, first[idx], 0.0), jnp.where(found, cont[idx], 0.0), best_n)
+
+
+# -- learning the chain's probabilities while a request runs ---------------------------------------
+
+@struct.dataclass
+class LookupState:
+    """What the lookup keeps per row between steps (a part of `TreeState`): the token history, the
+    chain offered after the current root, and counts of how chains fared on this text so far."""
+
+    history: jax.Array  # [b, L] int32 the row's tokens by position, the root last
+    chain: jax.Array  # [b, depth] int32 the chain after the root (-1: none)
+    order: jax.Array  # [b] int32 its match length (0: none)
+    counts: jax.Array  # [b, max_ngram, 4] f32 per match length: first hits, first trials, cont hits, cont trials
+
+
+def probabilities(cfg: LookupConfig, counts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(first [max_ngram], cont [max_ngram]) for one row: the config's table as a prior worth
+    `prior_weight` trials, updated by what this row's chains did (posterior means). The table was
+    measured on one target's text; a text that copies less (or more) moves them within a few steps."""
+    k = cfg.prior_weight
+    first = (counts[:, 0] + k * jnp.asarray(cfg.first, jnp.float32)) / (counts[:, 1] + k)
+    cont = (counts[:, 2] + k * jnp.asarray(cfg.cont, jnp.float32)) / (counts[:, 3] + k)
+    return jnp.minimum(first, 0.99), jnp.minimum(cont, 0.99)
+
+
+def chain_outcome(chain: jax.Array, committed: jax.Array, count: jax.Array) -> jax.Array:
+    """[first hit, first trial, cont hits, cont trials] of one row's `chain` [depth] against the
+    `count` tokens it committed next (`committed` [t]): c_1 is tried whenever there is a chain; c_j
+    (j > 1) is tried when c_1..c_{j-1} were all right and the target's j-th token is known."""
+    depth, t = chain.shape[0], committed.shape[0]
+    n = min(depth, t)
+    valid = chain[:n] >= 0
+    right = valid & (chain[:n] == committed[:n]) & (jnp.arange(n) < count)
+    matched = jnp.sum(jnp.cumprod(right.astype(jnp.int32)))  # leading chain tokens the target confirmed
+    known = jnp.minimum(jnp.sum(valid.astype(jnp.int32)), jnp.minimum(count, n))  # chain tokens the step could judge
+    has = valid[0] & (count > 0)
+    cont_trials = jnp.clip(jnp.minimum(matched, known - 1), 0)
+    cont_hits = jnp.clip(jnp.minimum(matched - 1, known - 1), 0)
+    return jnp.where(has, jnp.stack([(matched > 0).astype(jnp.float32), 1.0, cont_hits.astype(jnp.float32),
+                                     cont_trials.astype(jnp.float32)]), 0.0)
+
+
+def init_state(cfg: LookupConfig | None, tokens: jax.Array, lengths: jax.Array, root: jax.Array, slots: int,
+               depth: int) -> tuple[LookupState, Chain | None]:
+    """The state after prefill: the prompt [b, t] and the first root in the history, no counts yet;
+    and the chain after that root (None when lookup is off)."""
+    b = root.shape[0]
+    history = jnp.zeros((b, slots), jnp.int32).at[:, :tokens.shape[1]].set(tokens[:, :slots])
+    history = write_history(history, root[:, None], lengths, jnp.ones_like(lengths))
+    n = cfg.max_ngram if cfg is not None else 1
+    state = LookupState(history, jnp.full((b, depth), -1, jnp.int32), jnp.zeros((b,), jnp.int32),
+                        jnp.zeros((b, n, 4), jnp.float32))
+    return _with_chain(cfg, state, lengths)
+
+
+def advance(cfg: LookupConfig | None, state: LookupState, committed: jax.Array, length: jax.Array,
+            count: jax.Array) -> tuple[LookupState, Chain | None]:
+    """After a step committed `count[b]` tokens `committed` [b, t] after the root at `length[b]`: count
+    how the chain fared, write the tokens (the last is the new root), find the next chain (returned
+    too, None when lookup is off)."""
+    history = write_history(state.history, committed, length + 1, count)
+    counts = state.counts
+    if cfg is not None:
+        outcome = jax.vmap(chain_outcome)(state.chain, committed, count)  # [b, 4]
+        slot = jax.nn.one_hot(jnp.maximum(state.order - 1, 0), cfg.max_ngram) * (state.order > 0)[:, None]  # [b, N]
+        counts = counts + slot[:, :, None] * outcome[:, None, :]
+    return _with_chain(cfg, state.replace(history=history, counts=counts), length + count)
+
+
+def _with_chain(cfg: LookupConfig | None, state: LookupState, root_pos: jax.Array) -> tuple[LookupState, Chain | None]:
+    if cfg is None:
+        return state, None
+    chain = current_chain(cfg, state, root_pos)
+    return state.replace(chain=chain.tokens, order=chain.order), chain
+
+
+def current_chain(cfg: LookupConfig, state: LookupState, root_pos: jax.Array) -> Chain:
+    """The chain after the root at `root_pos` [b], with this text's learnt probabilities (batched)."""
+    depth = state.chain.shape[1]
+    probs = jax.vmap(partial(probabilities, cfg))(state.counts)
+    return jax.vmap(find_chain, in_axes=(None, 0, 0, None, 0))(cfg, state.history, root_pos, depth, probs)
 
 
 def chain_curve(chain: Chain, buckets: tuple[int, ...]) -> jax.Array:

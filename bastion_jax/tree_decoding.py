@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from bastion_jax.decoding import prefill_target
-from bastion_jax.lookup import chain_curve, find_chain, write_history
+from bastion_jax.lookup import Chain, LookupState, advance, chain_curve, init_state
 from bastion_jax.modeling.cache import KVCache, causal_mask, write_rows
 from bastion_jax.sampling import sample
 from bastion_jax.speculative import DraftVocab, StepOutput, draft_logits, merge_models
@@ -38,9 +38,9 @@ class TreeState:
     # positions [length - pending_len, length). The next drafting step injects them first.
     pending: jax.Array  # [b, W, F]
     pending_len: jax.Array  # [b]
-    # Every row's tokens by position, the root last (history[length] = root): the context lookup's
-    # text. [b, L], L = the target cache's slots; kept (and updated) whether or not lookup is on.
-    history: jax.Array
+    # The context lookup's per-row state: token history (the root last; kept whether or not lookup is
+    # on), the chain after the root, and how chains fared so far (see `lookup.LookupState`).
+    lookup: LookupState
 
 
 def pending_slots(block_size: int) -> int:
@@ -62,15 +62,14 @@ def root_tree(root: jax.Array, like: Tree) -> Tree:
 
 
 def _next_tree(cfg: StepConfig, target, drafter, drafter_cache, features, ctx_start, ctx_len, root, draft_vocab=None,
-               active=None, history=None, root_pos=None):
+               active=None, chain: Optional[Chain] = None):
     logits, drafter_cache = draft_logits(target, drafter, drafter_cache, features, ctx_start, ctx_len, root,
                                          block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                                          proposal=cfg.proposal, draft_vocab=draft_vocab, active=active)
     buckets = cfg.buckets
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [b, B-1, vocab or N]
     ids = draft_vocab.ids if draft_vocab is not None else None  # columns of a reduced vocabulary -> token ids
-    if cfg.lookup is not None and history is not None:
-        chain = jax.vmap(find_chain, in_axes=(None, 0, 0, None))(cfg.lookup, history, root_pos, cfg.block_size - 1)
+    if chain is not None:
         tree = jax.vmap(build_tree, in_axes=(0, 0, None, None, None, 0))(root, log_probs, max(buckets), cfg.top_k,
                                                                           ids, chain)
     else:
@@ -88,26 +87,24 @@ def tree_prefill(cfg: StepConfig, target_state, drafter_state, target_cache: KVC
     root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, cfg.greedy,
                                                   cfg.tap_layers)
     batch, slots = root.shape[0], target_cache.max_len
-    history = jnp.zeros((batch, slots), jnp.int32).at[:, :tokens.shape[1]].set(tokens[:, :slots])
-    history = write_history(history, root[:, None], lengths, jnp.ones_like(lengths))  # [b, L]
+    look, chain = init_state(cfg.lookup, tokens, lengths, root, slots, cfg.block_size - 1)
     tree, curve, drafter_cache = _next_tree(cfg, target, drafter, drafter_cache, features, jnp.zeros_like(lengths),
-                                            lengths, root, draft_vocab, history=history, root_pos=lengths)
+                                            lengths, root, draft_vocab, chain=chain)
     pending = jnp.zeros((batch, pending_slots(cfg.block_size), features.shape[-1]), features.dtype)
     # `lengths + 0`: a fresh buffer, so the first step can donate the state without a copy.
-    return TreeState(target_cache, drafter_cache, tree, lengths + 0, pending, jnp.zeros_like(lengths), history), curve
+    return TreeState(target_cache, drafter_cache, tree, lengths + 0, pending, jnp.zeros_like(lengths), look), curve
 
 
 def _then(cfg: StepConfig, then: int, target, drafter, state: TreeState, pending: jax.Array, pending_len: jax.Array,
           ctx_start: jax.Array, root: jax.Array, draft_vocab: Optional[DraftVocab], active: jax.Array,
-          history: jax.Array, root_pos: jax.Array):
+          chain: Optional[Chain]):
     """What a step does after committing (`then` is static: each variant is its own executable, so
     a step that holds never touches the drafter cache): HOLD buffers the features (the next step is
     a root step), DRAFT drafts the next tree (injecting every buffered feature first), FLUSH injects
     the buffer without drafting. Returns (drafter cache, next tree, curve [b, n_buckets], pending_len):
     the curve of the drafted tree, or for HOLD / FLUSH the lookup chain's alone (zeros without lookup),
     a hint for the draft gate."""
-    if cfg.lookup is not None:  # a step that does not draft reports the lookup chain's own curve
-        chain = jax.vmap(find_chain, in_axes=(None, 0, 0, None))(cfg.lookup, history, root_pos, cfg.block_size - 1)
+    if chain is not None:  # a step that does not draft reports the lookup chain's own curve
         no_curve = jax.vmap(chain_curve, in_axes=(0, None))(chain, cfg.buckets)  # [b, n_buckets]
     else:
         no_curve = jnp.zeros((root.shape[0], len(cfg.buckets)), jnp.float32)
@@ -115,7 +112,7 @@ def _then(cfg: StepConfig, then: int, target, drafter, state: TreeState, pending
         return state.drafter_cache, root_tree(root, state.tree), no_curve, pending_len
     if then == DRAFT:
         tree, curve, dcache = _next_tree(cfg, target, drafter, state.drafter_cache, pending, ctx_start, pending_len,
-                                         root, draft_vocab, active, history, root_pos)
+                                         root, draft_vocab, active, chain)
         return dcache, tree, curve, jnp.zeros_like(pending_len)
     if then != FLUSH:
         raise ValueError(f"then must be HOLD (0), DRAFT (1) or FLUSH (2), got {then!r}")
@@ -155,11 +152,11 @@ def tree_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
     n_ctx = jnp.where(active, accepted + 1, 0)
     pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len, active)  # [b, W, F]
     # The accepted drafts and the bonus (the new root) go to positions length + 1 .. new_length.
-    history = write_history(state.history, emitted, length + 1, jnp.where(active, accepted + 1, 0))
+    look, chain = advance(cfg.lookup, state.lookup, emitted, length, jnp.where(active, accepted + 1, 0))
     drafter_cache, next_tree, curve, pending_len = _then(
         cfg, then, target, drafter, state, pending, state.pending_len + n_ctx, length - state.pending_len, bonus,
-        draft_vocab, active, history, new_length)
-    new_state = TreeState(target_cache, drafter_cache, next_tree, new_length, pending, pending_len, history)
+        draft_vocab, active, chain)
+    new_state = TreeState(target_cache, drafter_cache, next_tree, new_length, pending, pending_len, look)
     return new_state, StepOutput(emitted, accepted + 1), curve
 
 
@@ -179,11 +176,11 @@ def root_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
     features = (out.taps if out.taps is not None else jnp.zeros((root.shape[0], 1, 1), jnp.float32))  # [b, 1, F]
     n_new = active.astype(jnp.int32)
     pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len, active)
-    history = write_history(state.history, choice[:, None], length + 1, n_new)
+    look, chain = advance(cfg.lookup, state.lookup, choice[:, None], length, n_new)
     drafter_cache, next_tree, curve, pending_len = _then(
         cfg, then, target, drafter, state, pending, state.pending_len + n_new, length - state.pending_len, choice,
-        draft_vocab, active, history, length + n_new)
-    new_state = TreeState(out.cache, drafter_cache, next_tree, length + n_new, pending, pending_len, history)
+        draft_vocab, active, chain)
+    new_state = TreeState(out.cache, drafter_cache, next_tree, length + n_new, pending, pending_len, look)
     return new_state, StepOutput(choice[:, None], jnp.ones_like(length)), curve
 
 

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bastion_jax.lookup import Chain, LookupConfig, chain_curve, find_chain, write_history
+from bastion_jax.lookup import (
+    Chain, LookupConfig, chain_curve, chain_outcome, find_chain, probabilities, write_history,
+)
 from bastion_jax.tree import build_tree
 from tests.test_tree import node_paths, random_lattice
 
@@ -202,12 +204,40 @@ def test_a_root_step_that_does_not_draft_reports_the_lookup_chains_curve(convert
             then = HOLD if i % 2 else FLUSH  # (flushes keep the feature buffer from filling up)
             state, out, curve = roots[then](ex.target_params, ex.drafter_params, state, jnp.ones((1,), bool), key)
             text.append(int(out.tokens[0, 0]))  # the new root
-            assert np.asarray(state.history[0, :len(text)]).tolist() == text
+            assert np.asarray(state.lookup.history[0, :len(text)]).tolist() == text
             if not on:
                 assert np.asarray(curve).tolist() == [[0.0, 0.0, 0.0]]
                 continue
             chain, n = chain_by_scan(lookup, text, 5)
-            p = [lookup.first[n - 1] * lookup.cont[n - 1] ** d if t >= 0 else 0.0 for d, t in enumerate(chain)]
+            assert np.asarray(state.lookup.chain[0]).tolist() == chain and int(state.lookup.order[0]) == n
+            first, cont = (np.asarray(x) for x in probabilities(lookup, state.lookup.counts[0]))  # this text's
+            p = [first[n - 1] * cont[n - 1] ** d if t >= 0 else 0.0 for d, t in enumerate(chain)]
             np.testing.assert_allclose(np.asarray(curve)[0], [0.0, sum(p[:3]), sum(p[:5])], rtol=1e-5, atol=1e-7)
             longest = max(longest, float(np.asarray(curve)[0, -1]))
         assert not on or longest > 1.0, text  # the loop gives long matches
+        if on:  # the chains were judged against what was committed: the counts moved
+            assert float(state.lookup.counts[0, :, 1].sum()) > 10
+
+
+@pytest.mark.parametrize("chain, committed, count, want", [
+    ([4, 5, 6, -1], [4, 5, 9, 1, 1], 5, [1, 1, 1, 2]),  # c1, c2 right, c3 wrong: 2 continuation trials, 1 hit
+    ([4, 5, 6, -1], [4, 5, 6, 1, 1], 5, [1, 1, 2, 2]),  # the whole chain right (its end is no trial)
+    ([4, 5, 6, 7], [4, 5, -1, -1, -1], 2, [1, 1, 1, 1]),  # only 2 tokens known: c3 cannot be judged
+    ([4, 5, 6, 7], [3, 5, 6, 7, 1], 5, [0, 1, 0, 0]),  # c1 wrong: nothing after it is tried
+    ([-1, -1, -1, -1], [4, 5, 6, 7, 1], 5, [0, 0, 0, 0]),  # no chain, no trial
+    ([4, 5, 6, 7], [4], 1, [1, 1, 0, 0]),  # a root step judges c1 only
+])
+def test_chain_outcome_counts_trials_and_hits(chain, committed, count, want):
+    got = chain_outcome(jnp.asarray(chain, jnp.int32), jnp.asarray(committed, jnp.int32), jnp.int32(count))
+    assert np.asarray(got).tolist() == want
+
+
+def test_probabilities_start_at_the_table_and_follow_the_text():
+    cfg = LookupConfig(max_ngram=2, first=(0.2, 0.6), cont=(0.5, 0.8), prior_weight=8.0)
+    counts = np.zeros((2, 4), np.float32)
+    first, cont = probabilities(cfg, jnp.asarray(counts))
+    np.testing.assert_allclose(first, [0.2, 0.6], rtol=1e-6)
+    np.testing.assert_allclose(cont, [0.5, 0.8], rtol=1e-6)
+    counts[1] = [0, 24, 0, 0]  # 24 chains of a 2-token match whose first token was wrong
+    first, cont = probabilities(cfg, jnp.asarray(counts))
+    assert float(first[1]) == pytest.approx(0.6 * 8 / 32) and float(first[0]) == pytest.approx(0.2)
