@@ -14,6 +14,11 @@ drafter's other tokens under a node of the chain keep the rest of the mass (thei
 times 1 - w); paths that left the chain score as the drafter says. So the surrogate (the sum of
 path probabilities) stays an estimate of accepted tokens and the controller prices trees as
 before. Verification is unchanged: any tree is lossless.
+
+The probabilities are learnt per request (`LookupState`, `advance`): each step judges the chain it
+was offered against the tokens it committed, and `first` / `cont` are posterior means with the
+measured table as a prior, since how far a text copies varies (code a lot, LaTeX repeats with other
+continuations).
 """
 
 from __future__ import annotations
