@@ -53,7 +53,7 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     if chain is None:
         on_lp = off_lp = top_lp
     else:
-        top_lp, top_tok, on_lp = _with_chain(top_lp, top_tok, chain)
+        top_lp, top_tok, on_lp = _candidates_with_chain(top_lp, top_tok, chain)
         off_lp = top_lp
         k = k + 1
 
@@ -103,7 +103,7 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     return Tree(tree_tokens, tree_parents, tree_depths, tree_lp, ancestor_mask(tree_parents, depth))
 
 
-def _with_chain(top_lp: jax.Array, top_tok: jax.Array, chain: Chain) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _candidates_with_chain(top_lp: jax.Array, top_tok: jax.Array, chain: Chain) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The candidates [depth, k + 1] with the chain's token added as a last column (-inf off the chain;
     -inf both ways when it is already a candidate or there is none), and their on-chain log-probs."""
     depth = top_lp.shape[0]

@@ -69,11 +69,8 @@ def _next_tree(cfg: StepConfig, target, drafter, drafter_cache, features, ctx_st
     buckets = cfg.buckets
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [b, B-1, vocab or N]
     ids = draft_vocab.ids if draft_vocab is not None else None  # columns of a reduced vocabulary -> token ids
-    if chain is not None:
-        tree = jax.vmap(build_tree, in_axes=(0, 0, None, None, None, 0))(root, log_probs, max(buckets), cfg.top_k,
-                                                                          ids, chain)
-    else:
-        tree = jax.vmap(build_tree, in_axes=(0, 0, None, None, None))(root, log_probs, max(buckets), cfg.top_k, ids)
+    tree = jax.vmap(build_tree, in_axes=(0, 0, None, None, None, 0 if chain is not None else None))(
+        root, log_probs, max(buckets), cfg.top_k, ids, chain)
     curve = jax.vmap(surrogate_curve, in_axes=(0, None))(tree, buckets)  # [b, n_buckets]
     return tree, curve, drafter_cache
 
