@@ -20,6 +20,16 @@ A step in hand sharpens A_bar: a drafted tree's own curve, and after a step that
 context lookup's chain curve (`lookup.chain_curve`, computed on device without the drafter: a long
 match means a copy is coming). Either enters as max(A_bar, curve) for that decision only.
 
+Verifying the lookup chain without drafting. A step that did not draft leaves the root and the
+lookup chain as its tree (`tree.chain_tree`), and the chain's curve c(b) comes back with it. A
+tree step of bucket b may then verify that chain instead of a root step, at the price of a verify
+without the draft (`chain_bucket`):
+
+    chain:         R_c = max_b (c(b) + 1) / T(b, c, then)      (b <= block size: the chain's nodes)
+
+taken when R_c > (1 + chain_margin) R_0 (R_0 with the same `then`). No rho: the chain's
+probabilities are this request's own hit rates (`lookup.probabilities`), not the drafter's.
+
 While it does not draft it learns nothing new, so it probes: after `probe` consecutive AR steps it
 drafts once; the tree that comes back refreshes A_bar, and it is verified whatever the estimates
 say, which refreshes rho. A probe that does not pay doubles the interval (up to `max_probe`); one
@@ -47,6 +57,9 @@ class DraftGate:
     step_time: Callable[[int, int, bool], float]
     pending_slots: int  # W of the feature buffer: the gate flushes before it would overflow
     block_size: int
+    # The most rows a held step adds to the feature buffer: 1 (a root step), or the block size when
+    # held lookup chains may be verified (`chain_bucket`); the gate flushes while one more still fits.
+    held_rows: int = 1
     rate: float = 0.3  # EMA rate of A_bar and rho
     # Drafting must beat plain AR steps by this fraction: entering it costs a draft that may be
     # dropped, and rho / A_bar lag behind a change of text (they were learnt where drafts did well),
@@ -62,6 +75,10 @@ class DraftGate:
     drafted: int = 0  # how many steps drafted (statistics)
     held: int = 0
     probing: bool = False  # the last root step drafted as a probe: verify its tree
+    # A held chain is verified when that beats a root step by this fraction. Smaller than `margin`:
+    # nothing is dropped either way, and the chain's probabilities are learnt on this very text.
+    chain_margin: float = 0.05
+    chained: int = 0  # how many steps verified a held chain (statistics)
 
     def observe_tree(self, curve: np.ndarray) -> None:
         """A fresh tree arrived: curve [n_buckets] = A(b) (mean over active rows)."""
@@ -107,9 +124,24 @@ class DraftGate:
             self.probe = min(2 * self.probe, self.max_probe)
             self.probing = True  # its tree is verified whatever the estimates say (`use_tree`)
             return DRAFT  # probe: a fresh tree tells whether the text became predictable
-        if self.pending + 2 > self.pending_slots:
-            return FLUSH  # the next held row would not fit: catch the drafter up without drafting
+        if self.pending + 1 + self.held_rows > self.pending_slots:
+            return FLUSH  # the next held step might not fit: catch the drafter up without drafting
         return HOLD
+
+    def chain_bucket(self, context: int, hint: np.ndarray | None, then: int) -> int:
+        """The bucket of a step that verifies the held lookup chain (its curve `hint` [n_buckets])
+        before it does `then`, or 0 when a root step pays as well (or no chain step may run: FLUSH,
+        or the step's committed rows would not fit in the feature buffer)."""
+        if hint is None or then == FLUSH:
+            return 0
+        draft = then == DRAFT
+        best, best_rate = 0, (1.0 + self.chain_margin) / self.step_time(0, context, draft)
+        for b, a in zip(self.buckets, hint):
+            if 1 < b <= self.block_size and self.pending + b <= self.pending_slots:
+                rate = (float(a) + 1.0) / self.step_time(b, context, draft)
+                if rate > best_rate:
+                    best, best_rate = b, rate
+        return best
 
     def record(self, then: int, committed: int) -> None:
         """After a step (a tree step is a DRAFT): `committed` = most tokens any active row committed."""

@@ -247,11 +247,12 @@ class Engine:
             step_buckets = {"fixed": [policy.size], "bastion-paper": list(getattr(controller, "paper_buckets", ()))
                             }.get(policy.kind, list(self.buckets))
             prefill, steps = exe.tree(batch, bucket, cache_len, sampling, step_buckets)
-            gate, roots = None, None
+            gate, roots, chains = None, None, None
             if policy.kind == "bastion":
                 roots = exe.roots(batch, cache_len, sampling)
+                chains = exe.chains(batch, cache_len, sampling)
                 gate = DraftGate(self.buckets, latency.step_time, tree_decoding.pending_slots(self.block_size),
-                                 self.block_size)
+                                 self.block_size, held_rows=self.block_size if chains else 1)
                 # What the gate learnt of this drafter's acceptance carries over to the next request.
                 gate.rho, gate.a_bar = self._gate_memory.get("rho", gate.rho), self._gate_memory.get("a_bar")
         else:
@@ -297,7 +298,7 @@ class Engine:
         active_dev, active_was = None, None  # the rows' active mask on the device, sent again only when it changes
         if policy.uses_tree:
             loop = TreeLoop(policy.kind, controller, gate, steps, roots, latency, self.buckets,
-                            exe.target_params, dstate, curve)
+                            exe.target_params, dstate, curve, chains)
         compiled_before_loop = compile_counter.compilations()
         queued = None  # AR: the next step's token, dispatched before this step's token was read
 
@@ -361,6 +362,7 @@ class Engine:
         stats.compilations_after_warmup += compile_counter.compilations() - compiled_before_loop
         if policy.kind == "bastion" and gate is not None:
             self._gate_memory.update(rho=gate.rho, a_bar=gate.a_bar)
+            stats.chain_steps += gate.chained
         if controller is not None:
             for b, n in controller.histogram.items():
                 stats.buckets[b] = stats.buckets.get(b, 0) + n

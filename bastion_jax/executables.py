@@ -178,6 +178,18 @@ class Executables:
                                           step_args, dict(then=then)), self.draft_vocab)
                 for then in (HOLD, DRAFT, FLUSH)}
 
+    def chains(self, batch: int, cache_len: int, sampling: SamplingConfig) -> dict[int, Bound]:
+        """{bucket: tree step that holds after it} for the buckets a lookup chain fills (2..block size):
+        bastion verifies a held chain with these without drafting. Empty when lookup is off."""
+        if self.lookup is None:
+            return {}
+        cfg = self.config(sampling)
+        step_args = self._tree_step_args(cfg, batch, cache_len)
+        return {b: Bound(self.compiled(tree_decoding.tree_step, ("tree_step", cfg, batch, cache_len, self._n_draft, b,
+                                                                 HOLD), step_args, dict(bucket=b, then=HOLD)),
+                         self.draft_vocab)
+                for b in self.buckets if 1 < b <= self.block_size}
+
     def tree_parts(self, batch: int, cache_len: int, step_buckets: Sequence[int]):
         """({bucket: tree_verify}, tree_draft): the two halves of a tree step on their own, so the
         profiler can time them apart (greedy; the draft over the engine's draft vocabulary, bound)."""

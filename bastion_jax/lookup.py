@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from bastion_jax.modeling.cache import append_rows
+
 # P(first token right) and P(next right | previous right) per match length n = 1..4, measured on the
 # shipped pair's target-written greedy training responses (runs/data, 500 records, first 96 tokens).
 SMOLLM2_FIRST = (0.22, 0.52, 0.61, 0.77)
@@ -72,7 +74,8 @@ def find_chain(cfg: LookupConfig, history: jax.Array, root_pos: jax.Array, depth
 
     history[0..root_pos] are the row's tokens so far (prompt, committed tokens, the root last). The
     longest suffix of n <= max_ngram tokens ending at the root with an earlier occurrence ending at
-    e < root_pos wins; for it the latest such e, and the chain is history[e + 1 ..], cut at the root.
+    e < root_pos wins; for it the latest such e, and the chain is history[e + 1 ..], continued past
+    the root periodically (what followed the match up to the root is taken to repeat).
     `probs` (first [max_ngram], cont [max_ngram]) replaces the config's table (see `probabilities`).
     """
     slots = history.shape[0]
@@ -86,9 +89,12 @@ def find_chain(cfg: LookupConfig, history: jax.Array, root_pos: jax.Array, depth
         end = jnp.max(jnp.where(match, e, -1)).astype(jnp.int32)
         best_end = jnp.where(end >= 0, end, best_end)
         best_n = jnp.where(end >= 0, n, best_n)
-    src = best_end + 1 + jnp.arange(depth)  # [depth]
+    # Past the root the match's continuation is the text since the match itself: history[e + 1 ..
+    # root_pos] repeats with period root_pos - e (a text in a loop, a row of digits, a repeated line).
+    period = jnp.maximum(root_pos - best_end, 1)
+    src = best_end + 1 + jnp.arange(depth) % period  # [depth], always <= root_pos
     found = best_n > 0
-    tokens = jnp.where(found & (src <= root_pos), history[jnp.clip(src, 0, slots - 1)], -1).astype(jnp.int32)
+    tokens = jnp.where(found, history[jnp.clip(src, 0, slots - 1)], -1).astype(jnp.int32)
     first, cont = probs if probs is not None else (jnp.asarray(cfg.first, jnp.float32), jnp.asarray(cfg.cont, jnp.float32))
     idx = jnp.maximum(best_n - 1, 0)
     return Chain(tokens, jnp.where(found, first[idx], 0.0), jnp.where(found, cont[idx], 0.0), best_n)
@@ -140,7 +146,7 @@ def init_state(cfg: LookupConfig | None, tokens: jax.Array, lengths: jax.Array, 
     and the chain after that root (None when lookup is off)."""
     b = root.shape[0]
     history = jnp.zeros((b, slots), jnp.int32).at[:, :tokens.shape[1]].set(tokens[:, :slots])
-    history = write_history(history, root[:, None], lengths, jnp.ones_like(lengths))
+    history = append_rows(history, root[:, None], lengths, jnp.ones_like(lengths))
     n = cfg.max_ngram if cfg is not None else 1
     state = LookupState(history, jnp.full((b, depth), -1, jnp.int32), jnp.zeros((b,), jnp.int32),
                         jnp.zeros((b, n, 4), jnp.float32))
@@ -152,7 +158,7 @@ def advance(cfg: LookupConfig | None, state: LookupState, committed: jax.Array, 
     """After a step committed `count[b]` tokens `committed` [b, t] after the root at `length[b]`: count
     how the chain fared, write the tokens (the last is the new root), find the next chain (returned
     too, None when lookup is off)."""
-    history = write_history(state.history, committed, length + 1, count)
+    history = append_rows(state.history, committed, length + 1, count)
     counts = state.counts
     if cfg is not None:
         outcome = jax.vmap(chain_outcome)(state.chain, committed, count)  # [b, 4]
@@ -184,12 +190,3 @@ def chain_curve(chain: Chain, buckets: tuple[int, ...]) -> jax.Array:
     probs = jnp.where(chain.tokens >= 0, chain.first * chain.cont ** d, 0.0)  # [depth]
     cum = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(probs)])  # [depth + 1]
     return cum[jnp.asarray([min(b - 1, depth) for b in buckets])]
-
-
-def write_history(history: jax.Array, tokens: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
-    """history [b, L] with each row's first `count[b]` of `tokens` [b, t] written at slots start[b]..;
-    the rest of `tokens` (and anything past the buffer) is dropped, never clamped onto other slots."""
-    b, t = tokens.shape
-    slot = start[:, None] + jnp.arange(t)[None]  # [b, t]
-    slot = jnp.where(jnp.arange(t)[None] < count[:, None], slot, history.shape[1])  # out of range: dropped
-    return history.at[jnp.arange(b)[:, None], slot].set(tokens.astype(history.dtype), mode="drop")

@@ -22,6 +22,7 @@ class Stats:
     compilations: int = 0  # by the engine during this request (warm-up)
     compilations_after_warmup: int = 0  # any XLA compilation inside the decode loop (must stay 0)
     buckets: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> times chosen
+    chain_steps: int = 0  # bastion steps (counted in `buckets` too) that verified a held lookup chain, no draft
     ended: dict[str, int] = dataclasses.field(default_factory=dict)  # why rows ended -> rows ("stop token", ...)
 
     @property
@@ -40,6 +41,8 @@ class Stats:
         hist = ""
         if self.buckets:
             hist = " | buckets " + " ".join(f"{b or 'ar'}:{n}" for b, n in sorted(self.buckets.items()))
+            if self.chain_steps:
+                hist += f" ({self.chain_steps} verified a lookup chain without drafting)"
         return (f"new tokens {self.new_tokens} | {self.tokens_per_s:.1f} tok/s | tau {self.tau:.2f} | "
                 f"TTFT {self.ttft_s * 1e3:.0f} ms | steps {self.steps}{hist} | "
                 f"compile {self.compile_s:.1f}s ({self.compilations} at warm-up, "

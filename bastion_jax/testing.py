@@ -246,6 +246,21 @@ def law_chi_square(generated, law, min_expected: float = 5.0):
     return float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1, impossible
 
 
+class ChainsPay:
+    """A latency model stub where drafting never pays (a draft costs 5 AR steps) but verifying a few
+    nodes nearly costs an AR step (1.0 + 0.01 b): bastion then holds and verifies the context lookup's
+    chains without drafting whenever one is expected to yield anything. No online correction."""
+
+    def predict(self, b, c):
+        return {"ar": 1.0, "ar+draft": 6.0}.get(b) or 6.0 + 0.01 * b
+
+    def step_time(self, b, c, draft):
+        return (1.0 if b == 0 else 1.0 + 0.01 * b) + (5.0 if draft else 0.0)
+
+    def observe(self, *a):
+        pass
+
+
 class DraftingPays:
     """A latency model stub (seconds, no online correction) where drafting pays: AR 1.0, a draft 0.2,
     verifying a tree of b nodes 1.0 + 0.01 b. On a tiny CPU model a plain AR step really is cheaper

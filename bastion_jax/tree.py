@@ -143,3 +143,24 @@ def slice_tree(tree: Tree, n: int) -> Tree:
     """The first `n` nodes (a valid tree, since parents precede children)."""
     return Tree(tree.tokens[..., :n], tree.parents[..., :n], tree.depths[..., :n], tree.log_probs[..., :n],
                 tree.ancestors[..., :n, :n])
+
+
+def chain_tree(root: jax.Array, chain: Chain, num_nodes: int) -> Tree:
+    """The tree a step that did not draft leaves: the root and the lookup chain as one path (node i
+    is c_i under node i - 1, path probability first * cont^(i - 1)), so the next step may verify the
+    chain without running the drafter (`tree_decoding.tree_step` with `then=HOLD`). Chain slots
+    without a token (-1) and nodes past the chain are never accepted; nodes past the chain are
+    padding under the root. One row; vmap for rows. Its surrogate equals `lookup.chain_curve`."""
+    depth = chain.tokens.shape[0]
+    node = jnp.arange(num_nodes)
+    on = (node >= 1) & (node <= depth)  # [n] a chain node
+    pad = jnp.full((max(num_nodes - 1 - depth, 0),), -1, jnp.int32)
+    tokens = jnp.concatenate([root[None].astype(jnp.int32), chain.tokens.astype(jnp.int32), pad])[:num_nodes]
+    parents = jnp.where(on, node - 1, jnp.where(node == 0, -1, 0)).astype(jnp.int32)
+    depths = jnp.where(on, node, 0).astype(jnp.int32)
+    d = jnp.maximum(depths - 1, 0).astype(jnp.float32)
+    p = chain.first * chain.cont ** d  # [n] path probability of a chain node
+    log_probs = jnp.where(node == 0, 0.0, jnp.where(on & (tokens >= 0) & (p > 0), jnp.log(jnp.maximum(p, 1e-30)),
+                                                    -jnp.inf)).astype(jnp.float32)
+    ancestors = (node[:, None] == node[None, :]) | (node[None, :] == 0) | (on[:, None] & (node[None, :] <= node[:, None]))
+    return Tree(tokens, parents, depths, log_probs, ancestors)

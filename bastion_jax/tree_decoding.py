@@ -18,11 +18,11 @@ from flax import nnx, struct
 
 from bastion_jax.decoding import prefill_target
 from bastion_jax.lookup import Chain, LookupState, advance, chain_curve, init_state
-from bastion_jax.modeling.cache import KVCache, causal_mask, write_rows
+from bastion_jax.modeling.cache import KVCache, append_rows, causal_mask, write_rows
 from bastion_jax.sampling import sample
 from bastion_jax.speculative import DraftVocab, StepOutput, draft_logits, merge_models
 from bastion_jax.step_config import StepConfig
-from bastion_jax.tree import Tree, build_tree, slice_tree, surrogate_curve
+from bastion_jax.tree import Tree, build_tree, chain_tree, slice_tree, surrogate_curve
 from bastion_jax.verify import compact_cache, walk
 
 HOLD, DRAFT, FLUSH = 0, 1, 2  # what a step does after committing (see `_then`)
@@ -59,6 +59,15 @@ def root_tree(root: jax.Array, like: Tree) -> Tree:
     log_probs = jnp.broadcast_to(jnp.where(node == 0, 0.0, -jnp.inf).astype(jnp.float32), (b, n))
     ancestors = jnp.broadcast_to((node[:, None] == node[None, :]) | (node[None, :] == 0), (b, n, n))
     return Tree(tokens, parents, jnp.zeros((b, n), jnp.int32), log_probs, ancestors)
+
+
+def held_tree(root: jax.Array, like: Tree, chain: Optional[Chain]) -> Tree:
+    """The tree a step that did not draft leaves, shaped like `like`: the root and the lookup chain as
+    one path (`tree.chain_tree`; a later tree step may verify it without drafting), or the root alone
+    when lookup is off."""
+    if chain is None:
+        return root_tree(root, like)
+    return jax.vmap(chain_tree, in_axes=(0, 0, None))(root, chain, like.tokens.shape[1])
 
 
 def _next_tree(cfg: StepConfig, target, drafter, drafter_cache, features, ctx_start, ctx_len, root, draft_vocab=None,
@@ -106,7 +115,7 @@ def _then(cfg: StepConfig, then: int, target, drafter, state: TreeState, pending
     else:
         no_curve = jnp.zeros((root.shape[0], len(cfg.buckets)), jnp.float32)
     if then == HOLD:
-        return state.drafter_cache, root_tree(root, state.tree), no_curve, pending_len
+        return state.drafter_cache, held_tree(root, state.tree, chain), no_curve, pending_len
     if then == DRAFT:
         tree, curve, dcache = _next_tree(cfg, target, drafter, state.drafter_cache, pending, ctx_start, pending_len,
                                          root, draft_vocab, active, chain)
@@ -116,7 +125,7 @@ def _then(cfg: StepConfig, then: int, target, drafter, state: TreeState, pending
     dcache = state.drafter_cache
     if drafter is not None:
         dcache = drafter.inject(pending, ctx_start, dcache, target.embed_tokens.weight.dtype, active)
-    return dcache, root_tree(root, state.tree), no_curve, jnp.zeros_like(pending_len)
+    return dcache, held_tree(root, state.tree, chain), no_curve, jnp.zeros_like(pending_len)
 
 
 @partial(jax.jit, static_argnames=("cfg", "bucket", "then"), donate_argnames=("state",))
@@ -147,7 +156,9 @@ def tree_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
                 else jnp.zeros((tokens.shape[0], depth + 1, 1), jnp.float32))  # [b, depth + 1, F]
     new_length = jnp.where(active, length + accepted + 1, length)
     n_ctx = jnp.where(active, accepted + 1, 0)
-    pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len, active)  # [b, W, F]
+    # A step that verifies a held chain (then=HOLD) may start with rows already buffered: only the
+    # committed rows are written, and the host keeps them inside the buffer (`DraftGate.chain_bucket`).
+    pending = append_rows(state.pending, features, state.pending_len, n_ctx)  # [b, W, F]
     # The accepted drafts and the bonus (the new root) go to positions length + 1 .. new_length.
     look, chain = advance(cfg.lookup, state.lookup, emitted, length, jnp.where(active, accepted + 1, 0))
     drafter_cache, next_tree, curve, pending_len = _then(

@@ -18,7 +18,7 @@ import pytest
 from bastion_jax.checkpoints import load_target, random_drafter
 from bastion_jax.engine import Engine
 from bastion_jax.testing import (
-    DraftingPays, bf16_tie_divergences, greedy_continuation, save_tiny_hf, tiny_drafter_config,
+    ChainsPay, DraftingPays, bf16_tie_divergences, greedy_continuation, save_tiny_hf, tiny_drafter_config,
 )
 from bastion_jax.checkpoints import convert
 
@@ -58,6 +58,19 @@ def test_bf16_random_drafter_greedy_equals_ar(bf16_target, mode):
     got = engine.generate(PROMPTS, max_new_tokens=N_NEW, mode=mode).tokens
     assert sum(g == a for g, a in zip(got, ar)) >= len(PROMPTS) - 1  # at most one row at a tie
     assert bf16_tie_divergences(bf16_target, PROMPTS, got, ar) == []
+
+
+def test_bf16_held_lookup_chains_greedy_equals_ar(bf16_target):
+    """bastion verifying the lookup's chains without drafting (a drafter that never pays, as priced
+    by `ChainsPay`): the same output as AR, up to one row parting at a bf16 tie."""
+    drafter = random_drafter(tiny_drafter_config(bf16_target.config, block_size=BLOCK), jnp.bfloat16, seed=4)
+    engine = Engine(bf16_target, drafter=drafter, stop_ids=[-1], buckets=(1, 4, 8), top_k=4, latency=ChainsPay())
+    ar = engine.generate(PROMPTS, max_new_tokens=N_NEW, mode="ar").tokens
+    res = engine.generate(PROMPTS, max_new_tokens=N_NEW, mode="bastion")
+    # Every row that parts from AR does so at a bf16 tie (seen: rows 0 and 3, at tokens 32 and 37).
+    assert sum(g == a for g, a in zip(res.tokens, ar)) >= len(PROMPTS) // 2
+    assert bf16_tie_divergences(bf16_target, PROMPTS, res.tokens, ar) == []
+    assert res.stats.chain_steps >= 5 and res.stats.tau > 1.3, res.stats
 
 
 @pytest.mark.parametrize("mode", ["dflash", "fixed:16", "bastion"])

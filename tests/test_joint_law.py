@@ -160,3 +160,45 @@ def test_first_three_tokens_follow_the_target_law(peaked_target, contexts, engin
     assert dof >= 20
     limit = stats.chi2.isf(P_VALUE, dof)  # dof 26-58: limits 62-107
     assert chi2 < limit, (chi2, dof, limit)
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_held_lookup_chain_steps_follow_the_target_law(peaked_target, contexts, name):
+    """A step that verifies the held lookup chain without drafting (bastion's `chains`) is exact too:
+    prefill (token 1), a root step that holds (token 2), the chain step (token 3, and 4-5 when chain
+    tokens are accepted), then root steps that hold, each with its own key, on ROWS rows at once.
+    Tokens 1-3 against their joint law, and tokens 3-5 (which the chain's deeper nodes decide)
+    against theirs (the law of five tokens summed over the first two). Seen to fail when the walk
+    follows the argmax instead of the samples. Wrong positions or masks at the chain's second node
+    change only the rows that accept both chain tokens (~3%), too few for a chi-square: the greedy
+    tests (`test_lookup.py`, `test_bf16.py`) catch those."""
+    from bastion_jax.sampling import sampler
+    from bastion_jax.tree_decoding import HOLD
+
+    sampling = SAMPLINGS[name]
+    engine = Engine(peaked_target, stop_ids=[-1], block_size=BLOCK, buckets=(3, 8), top_k=3,
+                    proposal=tree_proposal(contexts))
+    ex, cache_len = engine.executables, 32
+    prefill, _ = ex.tree(ROWS, 16, cache_len, sampling, ())
+    root, chains = ex.roots(ROWS, cache_len, sampling)[HOLD], ex.chains(ROWS, cache_len, sampling)
+    assert set(chains) == {3}
+    keys = iter(sampler(jax.random.PRNGKey(SEED + i), sampling) for i in range(8))
+    tokens = jnp.asarray([PROMPT + [0] * (16 - len(PROMPT))] * ROWS, jnp.int32)
+    params, active = (ex.target_params, ex.drafter_params), jnp.ones((ROWS,), bool)
+    state, _ = prefill(*params, ex.new_cache(ROWS, cache_len), ex.new_drafter_cache(ROWS, cache_len), tokens,
+                       jnp.full((ROWS,), len(PROMPT), jnp.int32), next(keys))
+    rows = [[int(t)] for t in np.asarray(state.tree.tokens[:, 0])]
+    for step in ("root", "chain", "root", "root"):
+        if step == "chain":
+            assert int(np.asarray(state.tree.tokens[:, 1] >= 0).sum()) > ROWS // 4  # many rows hold a chain
+        state, out, _ = (chains[3] if step == "chain" else root)(*params, state, active, next(keys))
+        toks, count = np.asarray(out.tokens), np.asarray(out.count)
+        if step == "chain":
+            assert (count >= 2).mean() > 0.1 and (count == 3).mean() > 0.02  # chain tokens were accepted
+        for r, row in enumerate(rows):
+            row.extend(toks[r, :count[r]].tolist())
+    law5 = token_law(peaked_target, PROMPT, 5, sampling)
+    for part, law in ((slice(0, 3), law5.sum(axis=(3, 4))), (slice(2, 5), law5.sum(axis=(0, 1)))):
+        chi2, dof, impossible = law_chi_square([row[part] for row in rows], law)
+        assert impossible == 0 and dof >= 20
+        assert chi2 < stats.chi2.isf(P_VALUE, dof), (part, chi2, dof)

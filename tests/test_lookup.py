@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from bastion_jax.lookup import (
-    Chain, LookupConfig, chain_curve, chain_outcome, find_chain, probabilities, write_history,
+    Chain, LookupConfig, chain_curve, chain_outcome, find_chain, probabilities,
 )
-from bastion_jax.tree import build_tree
+from bastion_jax.modeling.cache import append_rows
+from bastion_jax.tree import ancestor_mask, build_tree, chain_tree, surrogate_curve
 from tests.test_tree import node_paths, random_lattice
 
 CFG = LookupConfig(max_ngram=3, first=(0.2, 0.5, 0.7), cont=(0.6, 0.7, 0.8))
@@ -19,14 +20,15 @@ CFG = LookupConfig(max_ngram=3, first=(0.2, 0.5, 0.7), cont=(0.6, 0.7, 0.8))
 
 def chain_by_scan(cfg: LookupConfig, text: list[int], depth: int) -> tuple[list[int], int]:
     """(chain tokens padded with -1, match length n): the longest suffix of n <= max_ngram tokens
-    with an earlier occurrence, its latest one, the tokens after it up to the end of `text`."""
+    with an earlier occurrence, its latest one, the tokens after it, continued past the end of `text`
+    as if text[end + 1:] repeated forever."""
     r = len(text) - 1
     for n in range(min(cfg.max_ngram, r + 1), 0, -1):
         suffix = text[r - n + 1:]
         for end in range(r - 1, n - 2, -1):
             if text[end - n + 1:end + 1] == suffix:
-                chain = text[end + 1:end + 1 + depth]
-                return chain + [-1] * (depth - len(chain)), n
+                loop = text[end + 1:]
+                return [loop[j % len(loop)] for j in range(depth)], n
     return [-1] * depth, 0
 
 
@@ -45,16 +47,17 @@ def test_chain_equals_python_scan(seed):
 
 
 def test_chain_ignores_slots_past_the_root():
-    """Tokens after the root (padding, rejected drafts) are never matched or copied."""
+    """Tokens after the root (padding, rejected drafts) are never matched or copied: past the root the
+    chain repeats what followed the match."""
     history = jnp.asarray([5, 1, 2, 9, 1, 2, 7, 7, 7], jnp.int32)
     got = find_chain(CFG, history, jnp.int32(5), 4)  # text 5 1 2 9 1 2: "1 2" matched at 1..2
-    assert np.asarray(got.tokens).tolist() == [9, 1, 2, -1]
+    assert np.asarray(got.tokens).tolist() == [9, 1, 2, 9]
     assert float(got.first) == pytest.approx(0.5)
 
 
-def test_write_history_writes_count_tokens_and_drops_the_rest():
+def test_append_rows_writes_count_tokens_and_drops_the_rest():
     history = jnp.zeros((2, 6), jnp.int32)
-    out = write_history(history, jnp.asarray([[1, 2, 3], [4, 5, 6]]), jnp.asarray([1, 4]), jnp.asarray([2, 3]))
+    out = append_rows(history, jnp.asarray([[1, 2, 3], [4, 5, 6]]), jnp.asarray([1, 4]), jnp.asarray([2, 3]))
     assert np.asarray(out).tolist() == [[0, 1, 2, 0, 0, 0], [0, 0, 0, 0, 4, 5]]  # row 1: slot 6 is past the end
 
 
@@ -241,3 +244,49 @@ def test_probabilities_start_at_the_table_and_follow_the_text():
     counts[1] = [0, 24, 0, 0]  # 24 chains of a 2-token match whose first token was wrong
     first, cont = probabilities(cfg, jnp.asarray(counts))
     assert float(first[1]) == pytest.approx(0.6 * 8 / 32) and float(first[0]) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("n_nodes", [4, 6, 12])
+@pytest.mark.parametrize("known", [0, 2, 5])
+def test_chain_tree_is_the_chain_as_one_path(n_nodes, known):
+    """The tree a held step leaves: root, then c_1..c_D each under the previous (tokens -1 past the
+    known chain, never accepted), padding under the root past the chain; the ancestor mask is the
+    parent relation's closure, and its surrogate is the chain's curve for every bucket."""
+    depth = 5
+    tokens = [7, 3, 9, 3, 1][:known] + [-1] * (depth - known)
+    chain = Chain(jnp.asarray(tokens, jnp.int32), jnp.float32(0.6 if known else 0.0), jnp.float32(0.7 if known else 0.0))
+    tree = chain_tree(jnp.int32(42), chain, n_nodes)
+    on = min(depth, n_nodes - 1)  # chain nodes that fit
+    want_tokens = ([42] + tokens + [-1] * n_nodes)[:n_nodes]
+    assert np.asarray(tree.tokens).tolist() == want_tokens
+    assert np.asarray(tree.parents).tolist() == [-1] + list(range(on)) + [0] * (n_nodes - 1 - on)
+    assert np.asarray(tree.depths).tolist() == list(range(on + 1)) + [0] * (n_nodes - 1 - on)
+    np.testing.assert_array_equal(np.asarray(tree.ancestors), np.asarray(ancestor_mask(tree.parents, depth)))
+    buckets = tuple(b for b in (1, 2, 4, 6, 12) if b <= n_nodes)
+    np.testing.assert_allclose(np.asarray(surrogate_curve(tree, buckets)), np.asarray(chain_curve(chain, buckets)),
+                               rtol=1e-6, atol=1e-7)
+    lp = np.asarray(tree.log_probs)
+    assert lp[0] == 0.0 and np.isneginf(lp[1 + known:]).all()
+
+
+def test_engine_verifies_held_chains_and_keeps_greedy_output(converted):
+    """A drafter that never pays (the gate holds) on a target that repeats itself: bastion verifies
+    the lookup's chains with tree steps that do not draft, commits several tokens per step, and the
+    output equals AR's token for token in a batch whose rows end differently (a stop token, the
+    budget), nothing after a stop. (bfloat16: tests/test_bf16.py.)"""
+    from bastion_jax.checkpoints import random_drafter
+    from bastion_jax.engine import Engine
+    from bastion_jax.testing import ChainsPay, tiny_drafter_config
+
+    _, target = converted("qwen3")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=8), seed=2)
+    prompts = [[5, 9, 11, 40, 41, 5, 9, 11], [7, 3, 20], [12, 60, 61]]
+    free = Engine(target, stop_ids=[-1]).generate(prompts, max_new_tokens=40, mode="ar").tokens
+    stop = free[1][20]  # row 1 stops at its 21st token (or earlier if the token came before)
+    ar = Engine(target, stop_ids=[stop]).generate(prompts, max_new_tokens=40, mode="ar").tokens
+    engine = Engine(target, drafter=drafter, stop_ids=[stop], buckets=(1, 4, 8), top_k=4, latency=ChainsPay())
+    res = engine.generate(prompts, max_new_tokens=40, mode="bastion")
+    assert res.tokens == ar and len(ar[1]) <= 21 and ar[1][-1] == stop and len(ar[0]) == 40
+    s = res.stats
+    assert s.chain_steps >= 5 and s.tau > 1.3, s  # held chains verified, and accepted
+    assert s.compilations_after_warmup == 0

@@ -254,14 +254,15 @@ def test_resolve_draft_vocab(pair, tmp_path):
 
 def test_engine_root_steps_dispatched_ahead_keep_greedy_and_stops(pair):
     """Greedy, a batch whose rows stop at different steps (a stop token in one, the budget in the
-    other) under held root steps dispatched ahead: token-identical to AR, nothing past a stop."""
+    other) under held root steps dispatched ahead: token-identical to AR, nothing past a stop. (The
+    lookup is off: with it, held chains would be verified instead, `test_lookup.py`.)"""
     target, drafter = pair
     prompts = [[5, 9, 11, 40, 41], [7, 3, 20]]
     free = Engine(target, stop_ids=[-1]).generate(prompts, max_new_tokens=30, mode="ar").tokens
     stop = free[0][6]  # row 0 stops at its 7th token (or earlier if the token came before)
     ar = Engine(target, stop_ids=[stop]).generate(prompts, max_new_tokens=30, mode="ar").tokens
     engine = Engine(target, drafter=drafter, stop_ids=[stop], buckets=BUCKETS, top_k=4,
-                    latency=FixedLatency(BUCKETS))
+                    latency=FixedLatency(BUCKETS), lookup=None)
     engine._gate_memory.update(rho=0.0, a_bar=np.ones(len(BUCKETS)))
     res = engine.generate(prompts, max_new_tokens=30, mode="bastion")
     assert res.tokens == ar and len(ar[0]) <= 7 < len(ar[1])

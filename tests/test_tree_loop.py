@@ -178,3 +178,76 @@ def test_a_strong_tree_or_lookup_hint_makes_the_gate_draft():
     assert gate.root_then(10) == HOLD
     assert gate.root_then(10, strong) == DRAFT
     assert gate.root_then(10, np.array([0.2])) == HOLD and gate.a_bar[0] == 0.5
+
+
+def test_held_lookup_chains_are_verified_without_drafting(monkeypatch):
+    """After root steps that hold, a lookup chain worth verifying (the curve a held step returns) is
+    verified by a tree step that holds too (`chains`), chosen on the chain just read: no root step
+    is dispatched ahead of that read, no chain step ahead of its own; its committed rows stay inside
+    the feature buffer (then a flush); rho (the drafter's calibration) is untouched."""
+    log, batch, slots = [], 2, 16
+    gate = DraftGate(BUCKETS, Latency().step_time, pending_slots=slots, block_size=8, held_rows=8)
+    gate.rho, gate.a_bar = 0.0, np.array([0.5, 1.0, 1.2])
+    paying = np.array([0.0, 1.5, 2.0])  # a long match: c(4) = 1.5, c(8) = 2.0
+    hints = iter([np.zeros(3)] * 6 + [paying] * 100)  # the curve each held root step returns, in order
+    dev = {"pending": 0}  # the device's feature buffer fill
+
+    def fill(count, then):
+        assert dev["pending"] + count <= slots  # every step writes its rows first: never overflows
+        dev["pending"] = dev["pending"] + count if then == HOLD else 0
+
+    def root(then):
+        def step(tp, dp, state, active, key):
+            fill(1, then)
+            log.append(("dispatch", then))
+            out = types.SimpleNamespace(tokens=np.zeros((batch, 1)), count=np.ones(batch, np.int32))
+            return state, out, np.tile(next(hints) if then != DRAFT else np.zeros(3), (batch, 1))
+
+        return step
+
+    def chain(b):
+        def step(tp, dp, state, active, key):
+            fill(3, HOLD)
+            log.append(("dispatch", "chain", b))
+            out = types.SimpleNamespace(tokens=np.zeros((batch, 3)), count=np.full(batch, 3, np.int32))
+            return state, out, np.tile(paying, (batch, 1))
+
+        return step
+
+    def tree(tp, dp, state, active, key):
+        fill(2, DRAFT)
+        log.append(("dispatch", "tree"))
+        out = types.SimpleNamespace(tokens=np.zeros((batch, 2)), count=np.full(batch, 2, np.int32))
+        return state, out, np.zeros((batch, len(BUCKETS)))
+
+    controller = Controller(Policy("bastion"), BUCKETS, Latency())
+    loop = TreeLoop("bastion", controller, gate, {b: tree for b in BUCKETS}, {t: root(t) for t in (HOLD, DRAFT, FLUSH)},
+                    Latency(), BUCKETS, None, None, np.zeros((batch, len(BUCKETS))), {4: chain(4), 8: chain(8)})
+    run(loop, 30, log, monkeypatch)
+    dispatches = [e for e in log if e[0] == "dispatch"]
+    chains = [i for i, e in enumerate(log) if e[:2] == ("dispatch", "chain")]
+    assert len(chains) >= 5 and all(log[i + 1] == ("read",) for i in chains)  # nothing goes out before a chain's read
+    assert {log[i][2] for i in chains} <= {4, 8} and any(log[i][2] == 8 for i in chains)
+    first = chains[0]
+    # The first paying chain came back with the 6th held root step's read; the root step dispatched
+    # ahead of that read is not followed by another before its own read, and the chain step comes next.
+    assert log[first - 1] == ("read",) and log[first - 2] == ("read",)
+    assert ("dispatch", FLUSH) in dispatches[dispatches.index(log[first]):]  # the buffer filled: a flush
+    # A probe that came due on a held chain verifies the chain and then drafts: the drafting tree step.
+    drafting_chains = [e for e in dispatches if e == ("dispatch", "tree")]
+    assert gate.chained == len(chains) + len(drafting_chains) and gate.rho == 0.0
+
+
+def test_chain_bucket_keeps_the_feature_buffer_and_prices():
+    """The gate verifies a held chain only where it pays against a root step with the same `then`,
+    never with FLUSH, and only with a bucket whose rows still fit in the feature buffer."""
+    gate = DraftGate(BUCKETS, Latency().step_time, pending_slots=16, block_size=8)
+    paying = np.array([0.0, 1.5, 2.0])
+    assert gate.chain_bucket(10, paying, HOLD) == 8  # (1 + 2.0) / 1.08 beats (1 + 1.5) / 1.04
+    assert gate.chain_bucket(10, np.array([0.0, 0.02, 0.03]), HOLD) == 0  # a tie with a root step: no
+    assert gate.chain_bucket(10, None, HOLD) == 0 and gate.chain_bucket(10, paying, FLUSH) == 0
+    gate.pending = 10
+    assert gate.chain_bucket(10, paying, HOLD) == 4  # 10 + 8 rows would not fit in 16
+    gate.pending = 13
+    assert gate.chain_bucket(10, paying, HOLD) == 0
+    assert gate.chain_bucket(10, paying, DRAFT) == 0  # (the rows are buffered before the draft injects them)

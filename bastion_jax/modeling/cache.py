@@ -110,3 +110,15 @@ def causal_mask(batch: int, t: int) -> jax.Array:
 
     (Committed slots, those before the first new one, are always visible; see `Transformer`.)"""
     return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
+
+
+def append_rows(buf: jax.Array, new: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
+    """`buf` [b, L, ...] with each row's first `count[b]` rows of `new` [b, t, ...] written at slots
+    start[b]..; the rest of `new`, and anything past the buffer, is dropped (never clamped onto other
+    slots, unlike `write_rows`). For small per-row buffers whose fill varies: the token history, the
+    feature buffer of steps that did not draft."""
+    b, t = new.shape[:2]
+    slot = start[:, None] + jnp.arange(t)[None]  # [b, t]
+    slot = jnp.where(jnp.arange(t)[None] < count[:, None], slot, buf.shape[1])  # out of range: dropped
+    return buf.at[jnp.arange(b)[:, None], slot].set(new.astype(buf.dtype), mode="drop")
+
