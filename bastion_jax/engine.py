@@ -255,6 +255,10 @@ class Engine:
                                  self.block_size, held_rows=self.block_size if chains else 1)
                 # What the gate learnt of this drafter's acceptance carries over to the next request.
                 gate.rho, gate.a_bar = self._gate_memory.get("rho", gate.rho), self._gate_memory.get("a_bar")
+                # So does how long drafting has been failing (the probe interval): a request whose first
+                # tree or lookup chain pays drafts at once whatever the interval (`DraftGate.use_tree`,
+                # `root_then`), while text like the last request's is not probed from 4 again.
+                gate.probe = self._gate_memory.get("probe", gate.probe)
         else:
             prefill, step = (exe.ar if policy.kind == "ar" else exe.chain)(batch, bucket, cache_len, sampling)
         stats.compile_s += time.perf_counter() - t0
@@ -361,7 +365,7 @@ class Engine:
         stats.compilations += self.compilations - before
         stats.compilations_after_warmup += compile_counter.compilations() - compiled_before_loop
         if policy.kind == "bastion" and gate is not None:
-            self._gate_memory.update(rho=gate.rho, a_bar=gate.a_bar)
+            self._gate_memory.update(rho=gate.rho, a_bar=gate.a_bar, probe=gate.probe)
             stats.chain_steps += gate.chained
         if controller is not None:
             for b, n in controller.histogram.items():

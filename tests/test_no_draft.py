@@ -301,3 +301,26 @@ def test_engine_fixed_tree_steps_dispatched_ahead(pair, monkeypatch, sampling):
     if sampling.greedy:
         assert len(res.tokens[0]) <= 13 and len(res.tokens[1]) == 40 and res.tokens[0][-1] == stop
         assert res.tokens == Engine(target, stop_ids=[stop]).generate(prompts, max_new_tokens=40, mode="ar").tokens
+
+
+def test_probe_interval_carries_over_to_the_next_request(pair, monkeypatch):
+    """Probes that do not pay grow the interval between them, and the next request starts from that
+    interval (as it does from rho and A_bar), so text like the last request's is not probed from 4
+    again; a probe that pays (here: never) would reset it."""
+    from bastion_jax.draft_gate import DraftGate
+    from bastion_jax.tree_decoding import DRAFT
+
+    target, drafter = pair
+    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4, latency=FixedLatency(BUCKETS),
+                    lookup=None)
+    engine._gate_memory.update(rho=0.0, a_bar=np.ones(len(BUCKETS)))  # learnt: the drafts are never accepted
+    probes, real = [], DraftGate.root_then
+    monkeypatch.setattr(DraftGate, "root_then", lambda self, *a: (lambda t: (probes.append(t == DRAFT), t)[1])(
+        real(self, *a)))
+    counts = []
+    for prompt in ([5, 9, 11, 40, 41], [7, 3, 20], [12, 60, 61]):
+        probes.clear()
+        engine.generate([prompt], max_new_tokens=40, mode="bastion")
+        counts.append(sum(probes))
+    assert engine._gate_memory["probe"] == 64
+    assert counts[0] >= 3 and counts[2] <= 1, counts  # 4, 8, 16, ... apart; then 64 apart from the start
