@@ -128,19 +128,16 @@ def _then(cfg: StepConfig, then: int, target, drafter, state: TreeState, pending
     return dcache, held_tree(root, state.tree, chain), no_curve, jnp.zeros_like(pending_len)
 
 
-@partial(jax.jit, static_argnames=("cfg", "bucket", "then"), donate_argnames=("state",))
-def tree_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
-              draft_vocab: Optional[DraftVocab] = None, *, bucket: int,
-              then: int = 1) -> tuple[TreeState, StepOutput, jax.Array]:
-    """Verify the first `bucket` nodes of the tree, accept, compact, then (`then`, see `_then`) draft
-    the next tree (1, the default), or hold the new features for a later draft (0) or flush (2)."""
-    target, drafter = merge_models(cfg, target_state, drafter_state)
+def _verify(cfg: StepConfig, target, state: TreeState, active: jax.Array, key: jax.Array, bucket: int):
+    """Verify the first `bucket` nodes of the tree and walk it. Returns (emitted [b, D + 1], accepted
+    [b], bonus [b], the path's features [b, D + 1, F], the target cache with the path's K/V compacted
+    to slots length..)."""
     tree = slice_tree(state.tree, bucket)
     length = state.length
-    cache = state.target_cache
     tokens = jnp.maximum(tree.tokens, 0)  # padding nodes (-1) embed token 0; they can never be accepted
     positions = length[:, None] + tree.depths  # [b, n]
-    out = target(tokens, positions, cache, length, tree.ancestors, tap_layers=cfg.tap_layers, active=active)
+    out = target(tokens, positions, state.target_cache, length, tree.ancestors, tap_layers=cfg.tap_layers,
+                 active=active)
     choices = sample(out.logits, key, cfg.greedy)  # [b, n]: the target's token after each node
     depth = cfg.block_size - 1
     path, accepted = jax.vmap(walk, in_axes=(0, 0, 0, None))(tree.tokens, tree.parents, choices, depth)
@@ -150,22 +147,41 @@ def tree_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
     path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)  # [b, depth + 1], root first
     emitted = jnp.where(slots < accepted[:, None], jnp.roll(path_tokens, -1, axis=1), bonus[:, None])
     emitted = jnp.where(slots <= accepted[:, None], emitted, -1)
-    # Only the first accepted + 1 <= bucket path entries are kept.
-    target_cache = compact_cache(out.cache, length, path[:, :bucket], active)
     features = (jnp.take_along_axis(out.taps, path[:, :, None], axis=1) if out.taps is not None
                 else jnp.zeros((tokens.shape[0], depth + 1, 1), jnp.float32))  # [b, depth + 1, F]
+    # Only the first accepted + 1 <= bucket path entries are kept.
+    return emitted, accepted, bonus, features, compact_cache(out.cache, length, path[:, :bucket], active)
+
+
+def _commit(cfg: StepConfig, then: int, target, drafter, state: TreeState, active: jax.Array, emitted: jax.Array,
+            accepted: jax.Array, bonus: jax.Array, features: jax.Array, target_cache: KVCache,
+            draft_vocab: Optional[DraftVocab]) -> tuple[TreeState, StepOutput, jax.Array]:
+    """After a verify: lengths, the feature buffer, the lookup, then `then` (see `_then`)."""
+    length = state.length
     new_length = jnp.where(active, length + accepted + 1, length)
     n_ctx = jnp.where(active, accepted + 1, 0)
     # A step that verifies a held chain (then=HOLD) may start with rows already buffered: only the
     # committed rows are written, and the host keeps them inside the buffer (`DraftGate.chain_bucket`).
     pending = append_rows(state.pending, features, state.pending_len, n_ctx)  # [b, W, F]
     # The accepted drafts and the bonus (the new root) go to positions length + 1 .. new_length.
-    look, chain = advance(cfg.lookup, state.lookup, emitted, length, jnp.where(active, accepted + 1, 0))
+    look, chain = advance(cfg.lookup, state.lookup, emitted, length, n_ctx)
     drafter_cache, next_tree, curve, pending_len = _then(
         cfg, then, target, drafter, state, pending, state.pending_len + n_ctx, length - state.pending_len, bonus,
         draft_vocab, active, chain)
     new_state = TreeState(target_cache, drafter_cache, next_tree, new_length, pending, pending_len, look)
     return new_state, StepOutput(emitted, accepted + 1), curve
+
+
+@partial(jax.jit, static_argnames=("cfg", "bucket", "then"), donate_argnames=("state",))
+def tree_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
+              draft_vocab: Optional[DraftVocab] = None, *, bucket: int,
+              then: int = 1) -> tuple[TreeState, StepOutput, jax.Array]:
+    """Verify the first `bucket` nodes of the tree, accept, compact, then (`then`, see `_then`) draft
+    the next tree (1, the default), or hold the new features for a later draft (0) or flush (2)."""
+    target, drafter = merge_models(cfg, target_state, drafter_state)
+    emitted, accepted, bonus, features, target_cache = _verify(cfg, target, state, active, key, bucket)
+    return _commit(cfg, then, target, drafter, state, active, emitted, accepted, bonus, features, target_cache,
+                   draft_vocab)
 
 
 @partial(jax.jit, static_argnames=("cfg", "then"), donate_argnames=("state",))
