@@ -35,7 +35,8 @@ def dtype_note(flag: str) -> str:
 
 LOOKUP_HELP = ("context lookup in the tree modes: on (default) adds the continuation of the latest earlier "
                "occurrence of the text's last 1-4 tokens to every draft tree, as a chain beside the drafter's "
-               "candidates; off: the drafter's candidates only (the official BASTION trees). Output is unchanged "
+               "candidates, and lets bastion verify that chain alone when drafting does not pay; off: the "
+               "drafter's candidates only (the official BASTION trees). Output is unchanged "
                "either way")
 
 

@@ -57,8 +57,9 @@ class DraftGate:
     step_time: Callable[[int, int, bool], float]
     pending_slots: int  # W of the feature buffer: the gate flushes before it would overflow
     block_size: int
-    # The most rows a held step adds to the feature buffer: 1 (a root step), or the block size when
-    # held lookup chains may be verified (`chain_bucket`); the gate flushes while one more still fits.
+    # The most rows a held step adds to the feature buffer: 1 (a root step), or the largest chain
+    # bucket when held lookup chains may be verified (`chain_bucket`); the gate flushes while one more
+    # still fits.
     held_rows: int = 1
     rate: float = 0.3  # EMA rate of A_bar and rho
     # Drafting must beat plain AR steps by this fraction: entering it costs a draft that may be

@@ -59,8 +59,9 @@ class Engine:
 
     `proposal` (dflash mode) replaces or edits the drafter's per-position logits inside the jitted
     step; with no drafter it is the only source of drafts (`block_size` must then be given).
-    `lookup` adds the context-lookup chain to every draft tree of the tree modes (`lookup.py`; on by
-    default, None turns it off and gives the drafter's trees alone, as the official BASTION code).
+    `lookup` adds the context-lookup chain to every draft tree of the tree modes, and lets bastion
+    verify that chain alone when drafting does not pay (`lookup.py`; on by default, None turns it off
+    and gives the drafter's trees alone, as the official BASTION code).
     """
 
     def __init__(self, target: Target, tokenizer=None, *, drafter: LoadedDrafter | None = None,
@@ -252,7 +253,7 @@ class Engine:
                 roots = exe.roots(batch, cache_len, sampling)
                 chains = exe.chains(batch, cache_len, sampling)
                 gate = DraftGate(self.buckets, latency.step_time, tree_decoding.pending_slots(self.block_size),
-                                 self.block_size, held_rows=self.block_size if chains else 1)
+                                 self.block_size, held_rows=max(chains, default=1))
                 # What the gate learnt of this drafter's acceptance carries over to the next request.
                 gate.rho, gate.a_bar = self._gate_memory.get("rho", gate.rho), self._gate_memory.get("a_bar")
                 # So does how long drafting has been failing (the probe interval): a request whose first

@@ -121,4 +121,3 @@ def append_rows(buf: jax.Array, new: jax.Array, start: jax.Array, count: jax.Arr
     slot = start[:, None] + jnp.arange(t)[None]  # [b, t]
     slot = jnp.where(jnp.arange(t)[None] < count[:, None], slot, buf.shape[1])  # out of range: dropped
     return buf.at[jnp.arange(b)[:, None], slot].set(new.astype(buf.dtype), mode="drop")
-
