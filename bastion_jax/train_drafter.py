@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--reuse-features", nargs="+", default=[], metavar="DIR",
                    help="other runs' features/ directories: rows whose target features are stored there (same "
                    "target, taps and tokens) are copied instead of recomputed")
+    t.add_argument("--resume", action="store_true", help="continue OUT's latest checkpoint and refuse to start "
+                   "without one (a rerun without --resume also continues a checkpoint it finds, and says so)")
     t.add_argument("--init-from-target", action="store_true", help="initialise the drafter's layers from the "
                    "target's last layers (its fc stays random)")
     e = sub.add_parser("eval", parents=[common], help="acceptance report: tau per mode and prompt set, AR "
@@ -176,6 +178,9 @@ def run_train(args, target, log) -> None:
     missing = [d for d in args.reuse_features if not Path(d).is_dir()]
     if missing:
         raise ValueError(f"--reuse-features: no such directory {missing[0]}")
+    checkpoints = Path(args.out) / "checkpoints"
+    if args.resume and not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
+        raise ValueError(f"--resume: no checkpoint to continue in {checkpoints}")
     if args.init and args.init_from_target:
         raise ValueError("--init and --init-from-target both choose the starting weights; pass one")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, num_anchors=args.anchors,

@@ -222,6 +222,15 @@ def test_cli_data_then_train(tmp_path, capsys):
     assert main(["train", *common, "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run2"),
                  "--reuse-features", str(tmp_path / "nowhere")]) != 0
     assert "--reuse-features: no such directory" in capsys.readouterr().err
+    # --resume without a checkpoint to continue is refused; with one it continues (the run's 3 steps are done).
+    assert main(["train", *common, "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run3"),
+                 "--resume"]) == 2
+    assert "--resume: no checkpoint to continue" in capsys.readouterr().err
+    logged = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert main(["train", *common, "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run"),
+                 "--layers", "1", "--block-size", "4", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
+                 "--anchors", "4", "--held-out", "2", "--export-dtype", "float32", "--resume"]) == 0
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == logged  # continued at step 3: nothing retrained
     target = load_target(tmp_path / "hf", jnp.float32)
     drafter = load_drafter(tmp_path / "run" / "drafter", target.config)
     assert drafter.config.block_size == 4 and drafter.config.num_hidden_layers == 1
