@@ -303,7 +303,7 @@ class Engine:
         active_dev, active_was = None, None  # the rows' active mask on the device, sent again only when it changes
         if policy.uses_tree:
             loop = TreeLoop(policy.kind, controller, gate, steps, roots, latency, self.buckets,
-                            exe.target_params, dstate, curve, chains)
+                            exe.target_params, dstate, curve, chains, self.stop_ids)
         compiled_before_loop = compile_counter.compilations()
         queued = None  # AR: the next step's token, dispatched before this step's token was read
 
@@ -348,7 +348,7 @@ class Engine:
                 toks, counts = jax.device_get((out.tokens, out.count))
                 new = [toks[i, : counts[i]] for i in range(batch)]
             else:
-                state, toks, counts = loop.step(state, active, active_dev, int(lengths[active].max()), next_params,
+                state, toks, counts = loop.step(state, active, active_dev, lengths, next_params,
                                                 look_ahead, tree_ahead)
                 new = [toks[i, : counts[i]] for i in range(batch)]
             lengths = lengths + np.where(active, counts, 0).astype(np.int32)

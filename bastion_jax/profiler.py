@@ -306,7 +306,7 @@ def _loop_time(loop, box: dict, c: int, rng, reps: int, warmup: int, ahead: bool
     for i in range(warmup + reps):
         if i == warmup:
             t0 = time.perf_counter()
-        box["state"], toks, counts = loop.step(box["state"], active, active_dev, c, lambda: params,
+        box["state"], toks, counts = loop.step(box["state"], active, active_dev, np.full(1, c), lambda: params,
                                                look_ahead=ahead, tree_ahead=ahead)
         _ = [toks[r, : counts[r]] for r in range(toks.shape[0])]
     elapsed = (time.perf_counter() - t0) / reps

@@ -12,25 +12,28 @@ tree step of a small bucket instead of a root step (`DraftGate.chain_bucket`): o
 after it (`chains`) or, when the gate drafts, one that drafts (`steps`). Such a step commits a
 variable number of tokens and is chosen on the chain just read, so nothing goes ahead of it.
 
-Lookahead. A root step that does not draft commits exactly one token per active row and leaves no
-tree to choose from, so the next step is known before its result is read: another root step, whose
-`then` the gate decides on the context one token further. `TreeLoop` dispatches that step before
-reading the current one, so the device works while the host reads, emits and yields (as the AR
-loop does). A row that stops on the read step is computed once more and its token dropped; nothing
-is dispatched past every row's token budget. Under fixed:N the next step is always the same tree
-step (the bucket does not depend on what a step shows), so it is dispatched ahead too while every
-active row has room for a full step more (`tree_ahead`); bastion's tree steps cannot be: the next
-bucket is chosen on the fresh tree's surrogate curve, which only the read brings. Nor does a root
-step go ahead when the chain read last would be worth verifying: the next step is then chosen on
-the chain this one finds. (Choosing on the device instead, with `lax.switch` between a root step and
-chain steps, was tried: XLA copies every state buffer into and out of a conditional, the KV cache
-included, which doubled a root step's time on CPU.)
+Lookahead. The next step goes out before the host's bookkeeping, the engine's emission and the
+caller's streaming, so the device is busy while they run. Where it is known before this step is
+read, it goes out before the read: a root step that does not draft commits exactly one token per
+active row and leaves no tree to choose from, so the next step is another root step, whose `then`
+the gate decides on the context one token further (as the AR loop does); under fixed:N the next
+step is always the same tree step. Otherwise (bastion after a tree, a drafting root step or a held
+chain: the next bucket is chosen on the curve the read brings) it goes out right after the read and
+the loop's own bookkeeping, chosen exactly as the next call would choose it. Either way only while
+every active row has room for a whole step more (`tree_ahead`; one token more for a root step
+ahead of its read, `look_ahead`); a step that ends a row on a stop id sends nothing after its read,
+and one dispatched before its predecessor's read that meets a stopped row computes it once more and
+drops its tokens. Nor does a root step go ahead of its predecessor's read when the chain read last
+would be worth verifying: the next step is then chosen on the chain this one finds. (Choosing on the
+device instead, with `lax.switch` between a root step and chain steps, was tried: XLA copies every
+state buffer into and out of a conditional, the KV cache included, which doubled a root step's time
+on CPU.)
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Collection, NamedTuple
 
 import jax
 import numpy as np
@@ -50,6 +53,7 @@ class Dispatched(NamedTuple):
     curve: Any
     at: float  # when it was dispatched
     chain: bool = False  # a tree step verifying the held lookup chain
+    early: bool = False  # dispatched before its predecessor was read (the device starts it when that ends)
 
 
 class TreeLoop:
@@ -62,8 +66,9 @@ class TreeLoop:
 
     def __init__(self, kind: str, controller: Controller, gate: DraftGate | None, steps: dict, roots: dict | None,
                  latency: LatencyModel, buckets: tuple[int, ...], target_params, drafter_params, curve,
-                 chains: dict | None = None):
+                 chains: dict | None = None, stop_ids: Collection[int] = ()):
         self.kind, self.controller, self.gate = kind, controller, gate
+        self.stop_ids = np.fromiter(stop_ids, np.int64)
         self.steps, self.roots, self.latency, self.buckets = steps, roots, latency, buckets
         self.chains = chains or {}
         self.params = (target_params, drafter_params)
@@ -75,16 +80,16 @@ class TreeLoop:
         self.queued: Dispatched | None = None  # a step dispatched ahead
         self.back_at = 0.0  # when the host last came back to the loop (its reads are timed from there)
 
-    def _dispatch_root(self, then: int, state, active_dev, key) -> tuple[Any, Dispatched]:
+    def _dispatch_root(self, then: int, state, active_dev, key, early: bool = False) -> tuple[Any, Dispatched]:
         ts = time.perf_counter()
         state, out, curve = self.roots[then](*self.params, state, active_dev, key)
-        return state, Dispatched(0, then, out, curve, ts)
+        return state, Dispatched(0, then, out, curve, ts, early=early)
 
-    def _dispatch_tree(self, b: int, state, active_dev, key, then: int = DRAFT, chain: bool = False
-                       ) -> tuple[Any, Dispatched]:
+    def _dispatch_tree(self, b: int, state, active_dev, key, then: int = DRAFT, chain: bool = False,
+                       early: bool = False) -> tuple[Any, Dispatched]:
         ts = time.perf_counter()
         state, out, curve = (self.steps if then == DRAFT else self.chains)[b](*self.params, state, active_dev, key)
-        return state, Dispatched(b, then, out, curve, ts, chain)
+        return state, Dispatched(b, then, out, curve, ts, chain, early)
 
     def _chain_bucket(self, context: int, then: int) -> int:
         """The bucket of a step verifying the held lookup chain (0: a root step), judged on the last
@@ -98,48 +103,70 @@ class TreeLoop:
         b = 0 if ahead else self._chain_bucket(context, then)
         if b:
             return self._dispatch_tree(b, state, active_dev, key, then, chain=True)
-        return self._dispatch_root(then, state, active_dev, key)
+        return self._dispatch_root(then, state, active_dev, key, early=ahead)
 
-    def step(self, state, active: np.ndarray, active_dev, context: int, next_key: Callable[[], Any],
+    def _dispatch_next(self, context: int, state, active: np.ndarray, active_dev, key) -> tuple[Any, Dispatched]:
+        """The step chosen on what the last read showed: the tree in hand at the controller's bucket, a
+        root step when drafting does not pay (or the best bucket is the root alone), or, holding no
+        tree, `_dispatch_holding`'s choice."""
+        gate, ctl = self.gate, self.controller
+        if self.holding:
+            return self._dispatch_holding(context, state, active_dev, key, ahead=False)
+        a = self.curve
+        if gate is not None and (not gate.use_tree(context, a[active].mean(axis=0))
+                                 or ctl.choose(a * gate.rho, context, active, record=False) == 1):
+            # A plain AR step on the root (the tree in hand is dropped: drafting does not pay, or the
+            # best bucket is the root alone, which a root step verifies without drafting).
+            return self._dispatch_root(gate.root_then(context, self.hint), state, active_dev, key)
+        probs = np.exp(np.asarray(state.tree.log_probs)) if self.kind == "bastion-paper" else None
+        b = ctl.choose(a * (gate.rho if gate else 1.0), context, active, probs, record=False)
+        return self._dispatch_tree(b, state, active_dev, key)
+
+    def _stopped(self, toks: np.ndarray, counts: np.ndarray, active: np.ndarray) -> bool:
+        """Some active row committed a stop id in this step (the engine will end it)."""
+        if not self.stop_ids.size:
+            return False
+        new = np.arange(toks.shape[1]) < counts[:, None]  # [batch, n] the committed tokens
+        return bool((np.isin(toks, self.stop_ids) & new)[active].any())
+
+    def step(self, state, active: np.ndarray, active_dev, lengths: np.ndarray, next_key: Callable[[], Any],
              look_ahead: bool, tree_ahead: bool = False) -> tuple[Any, np.ndarray, np.ndarray]:
-        """One step for the rows in `active` at committed context `context` (longest active row).
-        next_key() gives the sampler of the step it is called for. `look_ahead`: a further step may
-        still be needed (not every row is at its budget). `tree_ahead`: every active row has room for
-        a whole tree step after this one (fixed:N dispatches it ahead then). Returns (state, tokens
-        [batch, n], counts [batch])."""
+        """One step for the rows in `active` at committed lengths `lengths` [batch] (the longest active
+        row is the context the latency model prices). next_key() gives the sampler of the step it is
+        called for. `look_ahead`: a further step may still be needed (not every row is at its budget).
+        `tree_ahead`: every active row has room for a whole tree step after this one (the next step
+        may then go out before this call returns). Returns (state, tokens [batch, n], counts [batch])."""
         gate, ctl = self.gate, self.controller
         self.back_at = time.perf_counter()
+        context = int(lengths[active].max())
         recorded = False  # the gate recorded this step already (when it dispatched the next one)
+        timed = True  # the read below times the step (False: it may have ended while the host was away)
         if self.queued is not None:
             cur, self.queued = self.queued, None
-        elif self.holding:
-            state, cur = self._dispatch_holding(context, state, active_dev, next_key(), ahead=False)
+            # A step sent after its predecessor's read that is done before the host is back ran for an
+            # unknown part of the host's absence: its read would price the host's time as the bucket's.
+            timed = cur.early or not cur.out.count.is_ready()
         else:
-            a = self.curve
-            if gate is not None and (not gate.use_tree(context, a[active].mean(axis=0))
-                                     or ctl.choose(a * gate.rho, context, active, record=False) == 1):
-                # A plain AR step on the root (the tree in hand is dropped: drafting does not pay, or
-                # the best bucket is the root alone, which a root step verifies without drafting).
-                state, cur = self._dispatch_root(gate.root_then(context, self.hint), state, active_dev, next_key())
-            else:
-                probs = np.exp(np.asarray(state.tree.log_probs)) if self.kind == "bastion-paper" else None
-                b = ctl.choose(a * (gate.rho if gate else 1.0), context, active, probs, record=False)
-                state, cur = self._dispatch_tree(b, state, active_dev, next_key())
-        # Look ahead: a root step that does not draft commits exactly one token per row, and the next
-        # step is a root step whatever this one shows, unless the chain read last may be worth verifying.
+            state, cur = self._dispatch_next(context, state, active, active_dev, next_key())
+        # Ahead of the read: a root step that does not draft commits exactly one token per row, and the
+        # next step is a root step whatever this one shows, unless the chain read last may be worth
+        # verifying; fixed:N's next step is the same tree step.
         if (look_ahead and cur.bucket == 0 and cur.then != DRAFT
                 and not self._chain_bucket(context + 1, HOLD)):
             gate.record(cur.then, 1)
             recorded = True
             state, self.queued = self._dispatch_holding(context + 1, state, active_dev, next_key(), ahead=True)
         elif tree_ahead and self.kind == "fixed":
-            state, self.queued = self._dispatch_tree(cur.bucket, state, active_dev, next_key())
+            state, self.queued = self._dispatch_tree(cur.bucket, state, active_dev, next_key(), early=True)
         toks, counts, new_curve = jax.device_get((cur.out.tokens, cur.out.count, cur.curve))
-        # A step dispatched ahead ran partly while the host was away: time it from the host's return.
-        elapsed = time.perf_counter() - max(cur.at, self.back_at)
+        # A step dispatched before its predecessor was read started on the device when that one ended,
+        # at the latest when the host came back for it; any other step started when it was dispatched.
+        elapsed = time.perf_counter() - (max(cur.at, self.back_at) if cur.early else cur.at)
         b, then, chain = cur.bucket, cur.then, cur.chain
         ctl.histogram[b] += 1  # (counted here, once per step read)
-        if then == DRAFT:  # tree steps that hold and flushes are not calibrated variants
+        if not timed:
+            pass
+        elif then == DRAFT:  # tree steps that hold and flushes are not calibrated variants
             self.latency.observe(b or AR_DRAFT, context, elapsed)
         elif then == HOLD and b == 0:
             self.latency.observe(AR, context, elapsed)
@@ -155,4 +182,8 @@ class TreeLoop:
         self.holding = then != DRAFT
         self.curve = new_curve
         self.hint = new_curve[active].mean(axis=0) if self.holding and active.any() else None
+        # After the read: the next step, chosen now on what it showed, goes out before the host emits.
+        if self.queued is None and tree_ahead and active.any() and not self._stopped(toks, counts, active):
+            state, self.queued = self._dispatch_next(int((lengths + counts)[active].max()), state, active,
+                                                     active_dev, next_key())
         return state, toks, counts

@@ -4,6 +4,7 @@ the gate records every step exactly once, and nothing is dispatched ahead past t
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -61,7 +62,7 @@ def run(loop, n, log, monkeypatch, look_ahead=lambda i: True, tree_ahead=lambda 
     keys = iter(range(1000))
     active = np.ones(batch, bool)
     for i in range(n):
-        loop.step(None, active, active, 10 + i, lambda: next(keys), look_ahead(i), tree_ahead(i))
+        loop.step(None, active, active, np.full(batch, 10 + i), lambda: next(keys), look_ahead(i), tree_ahead(i))
 
 
 def test_held_root_steps_are_dispatched_one_ahead(monkeypatch):
@@ -125,12 +126,75 @@ def test_fixed_tree_steps_are_dispatched_one_ahead(monkeypatch):
     assert loop.queued is None and loop.controller.histogram[4] == 6
 
 
-def test_bastion_tree_steps_are_never_dispatched_ahead(monkeypatch):
-    """bastion chooses each bucket on the read curve: no tree step may go out before the read."""
-    log = []
-    loop = make_fixed_loop(log, kind="bastion")
-    run(loop, 4, log, monkeypatch, tree_ahead=lambda i: True)
-    assert [e[0] for e in log] == ["dispatch", "read"] * 4
+def test_bastion_tree_steps_go_out_right_after_the_read(monkeypatch):
+    """bastion chooses each bucket on the curve the read brings, so its next tree step goes out after
+    that read (never before it) but before the call returns (while the host emits), at the bucket that
+    curve asks for; nothing goes out past the budget (tree_ahead False) or after a step that committed
+    a stop id (a stop id the step did not commit does not count)."""
+    log, batch, stop = [], 2, 7
+    # Curves per step (the controller, AR-free: (A(b) + 1) / (1.6 + 0.01 b)): [0, 3, 3] -> 4,
+    # [0, 1, 5] -> 8; tokens: step 0 has the stop id past its count, step 2 commits it in row 1.
+    curves = iter([[0, 1, 5], [0, 3, 3], [0, 1, 5], [0, 3, 3], [0, 1, 5]])
+    tokens = iter([[[1, 1, stop]] * 2, [[1, 1, 1]] * 2, [[1, 1, 1], [1, stop, 1]], [[1, 1, 1]] * 2,
+                   [[1, 1, 1]] * 2])
+
+    def tree(b):
+        def step(tp, dp, state, active, key):
+            log.append(("dispatch", b))
+            out = types.SimpleNamespace(tokens=np.array(next(tokens)), count=jnp.full(batch, 2, jnp.int32))
+            return state, out, np.tile(next(curves), (batch, 1)).astype(float)
+
+        return step
+
+    controller = Controller(Policy("bastion"), BUCKETS, Latency())
+    loop = TreeLoop("bastion", controller, None, {b: tree(b) for b in BUCKETS}, None, Latency(), BUCKETS, None,
+                    None, np.tile([0.0, 3.0, 3.0], (batch, 1)), stop_ids=[stop])
+    real_get = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: (log.append(("read",)), real_get(x))[1])
+    active = np.ones(batch, bool)
+    for i, ahead in enumerate([True, True, True, True, False]):
+        loop.step(None, active, active, np.full(batch, 10 + 2 * i), lambda: None, True, ahead)
+        log.append(("return",))
+    assert log == [("dispatch", 4), ("read",), ("dispatch", 8), ("return",),  # chosen on step 0's curve
+                   ("read",), ("dispatch", 4), ("return",),
+                   ("read",), ("return",),  # step 2 committed a stop id: its row ends, nothing goes out
+                   ("dispatch", 8), ("read",), ("dispatch", 4), ("return",),
+                   ("read",), ("return",)]  # no room for a step more
+    assert loop.queued is None and controller.histogram[4] == 3 and controller.histogram[8] == 2
+
+
+def test_a_step_sent_after_the_read_is_timed_only_if_the_host_is_back_first(monkeypatch):
+    """A step sent right after its predecessor's read ran while the host emitted: read on the host's
+    return, it is timed from its dispatch, which prices the host's absence as the bucket's time when
+    the step had already ended. Such a step (ready on the host's return) is not observed; one still
+    running is."""
+    batch, ready = 2, iter([True, False, True, False])
+    observed = []
+
+    class Count(np.ndarray):
+        def is_ready(self):
+            return next(ready)
+
+    class Timed(Latency):
+        def observe(self, b, c, t):
+            observed.append(b)
+
+    def tree(b):
+        def step(tp, dp, state, active, key):
+            out = types.SimpleNamespace(tokens=np.ones((batch, 2)), count=np.full(batch, 2, np.int32).view(Count))
+            return state, out, np.tile([0.0, 1.0, 5.0], (batch, 1))  # always bucket 8
+
+        return step
+
+    latency = Timed()
+    loop = TreeLoop("bastion", Controller(Policy("bastion"), BUCKETS, latency), None, {b: tree(b) for b in BUCKETS},
+                    None, latency, BUCKETS, None, None, np.tile([0.0, 1.0, 5.0], (batch, 1)))
+    active = np.ones(batch, bool)
+    for i in range(5):
+        loop.step(None, active, active, np.full(batch, 10 + 2 * i), lambda: None, True, True)
+    # Step 0 was sent and read in one call (timed); steps 1-4 were sent after a read: 1 and 3 were
+    # ready on the host's return, 2 and 4 were not.
+    assert observed == [8, 8, 8]
 
 
 @pytest.mark.parametrize("gain, margin, drafts", [(1.05, 0.1, False), (1.05, 0.0, True), (1.2, 0.1, True),
