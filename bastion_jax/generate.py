@@ -8,7 +8,8 @@ import sys
 import time
 
 from bastion_jax.calibration import calibration_model, load_or_calibrate
-from bastion_jax.cli import add_lookup_flag, dtype_note, fail, resolve_dtype, resolve_lookup, stderr_log
+from bastion_jax.cli import (add_lookup_flag, dtype_note, fail, resolve_dtype, resolve_lookup, stderr_log,
+                            use_compilation_cache)
 
 DEFAULT_PROMPT_HELP = "With no --target, the embedded SmolLM2-135M-Instruct is used."
 DEFAULT_BLOCK_SIZE = 16  # of a --drafter random
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     log = stderr_log(args.quiet)
+    use_compilation_cache()
 
     from bastion_jax.checkpoints import CheckpointError
     from bastion_jax.default_model import DefaultModelError

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from bastion_jax.cli import add_lookup_flag, fail, resolve_lookup, stderr_log
+from bastion_jax.cli import add_lookup_flag, fail, resolve_lookup, stderr_log, use_compilation_cache
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEFAULT_SOURCES = ("gsm8k_train.jsonl.gz", "code_alpaca_2k.jsonl.gz")
@@ -311,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     log = stderr_log(args.quiet)
+    use_compilation_cache()
 
     from bastion_jax.checkpoints import CheckpointError, load_target
     from bastion_jax.config import ConfigError

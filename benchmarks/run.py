@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from bastion_jax.cli import add_lookup_flag
+from bastion_jax.cli import add_lookup_flag, use_compilation_cache
 from bastion_jax.acceptance import STANDARD_SETS, PromptError, read_prompts, resolve_prompt_file
 from benchmarks.report import commit, markdown_table, per_set, plot, write_csv
 
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-calibrate", action="store_true")
     p.add_argument("--out-dir", default=str(RESULTS), help="where to write <name>.json/.md (default benchmarks/results)")
     args = p.parse_args(argv)
+    use_compilation_cache()
 
     import jax
 

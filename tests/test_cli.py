@@ -164,3 +164,27 @@ def test_mode_dflash_without_drafter_is_an_error(capsys, tiny_ckpt):
 def test_missing_drafter_dir_is_an_error(capsys, tiny_ckpt, tmp_path):
     rc, out, err = run(capsys, "w5", "--target", tiny_ckpt, "--drafter", str(tmp_path / "nope"), "--quiet")
     assert rc == 2 and err.count("\n") == 1 and "drafter" in err
+
+
+def test_the_cli_keeps_compiled_steps_in_the_cache_root(tiny_ckpt, tmp_path):
+    """generate keeps its executables in <cache root>/xla (JAX's persistent compilation cache), so a
+    second run loads its warm-up instead of compiling it; a JAX_COMPILATION_CACHE_DIR the user set wins.
+    Run in fresh processes: JAX reads the cache settings once per process."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(BASTION_JAX_CACHE=str(tmp_path / "root"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    cmd = [sys.executable, "-m", "bastion_jax.generate", "w5 w6 w7", "--target", tiny_ckpt, "--no-chat",
+           "--max-new-tokens", "4"]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    entries = sorted(p.name for p in (tmp_path / "root" / "xla").iterdir())
+    assert any(n.startswith("jit_decode-") for n in entries), entries
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr
+    assert sorted(p.name for p in (tmp_path / "root" / "xla").iterdir()) == entries  # loaded, not compiled anew
+    own = dict(env, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "mine"))
+    assert subprocess.run(cmd, env=own, capture_output=True, text=True, timeout=600).returncode == 0
+    assert any(p.name.startswith("jit_decode-") for p in (tmp_path / "mine").iterdir())
