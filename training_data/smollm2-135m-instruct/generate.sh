@@ -8,12 +8,14 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07; do
+for kind in greedy t07 t07s3; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
-  if [ -f $here/magpie_prompts.jsonl.gz ] && [ ! -f runs/data/$kind.jsonl.magpie.jsonl ]; then
-    gunzip -c $here/magpie_prompts.jsonl.gz > runs/data/$kind.jsonl.magpie.jsonl
+  prompts=$here/magpie_prompts.jsonl.gz
+  [ $kind = t07s3 ] && prompts=$here/magpie_prompts_s3.jsonl.gz  # its own 1000 self-written prompts (seed 3)
+  if [ -f $prompts ] && [ ! -f runs/data/$kind.jsonl.magpie.jsonl ]; then
+    gunzip -c $prompts > runs/data/$kind.jsonl.magpie.jsonl
   fi
 done
 common="--sources $D/gsm8k_train.jsonl.gz $D/code_alpaca_2k.jsonl.gz --max-new-tokens 256 --batch-size 48 --stdlib 400 --magpie 1000"
@@ -21,3 +23,7 @@ python -m bastion_jax.train_drafter data --out runs/data/greedy.jsonl --num 3200
 python -m bastion_jax.train_drafter pack --data runs/data/greedy.jsonl --out $here/greedy.npz --vocab-size 49152
 python -m bastion_jax.train_drafter data --out runs/data/t07.jsonl --num 3200 --seed 2 --temperature 0.7 $common
 python -m bastion_jax.train_drafter pack --data runs/data/t07.jsonl --out $here/t07.npz --vocab-size 49152
+# A third set (2026-11-25): new prompts (seed 3 picks other gsm8k_train / code_alpaca / stdlib prompts
+# and writes 1000 new Magpie prompts), sampled at T = 0.7.
+python -m bastion_jax.train_drafter data --out runs/data/t07s3.jsonl --num 3200 --seed 3 --temperature 0.7 $common
+python -m bastion_jax.train_drafter pack --data runs/data/t07s3.jsonl --out $here/t07s3.npz --vocab-size 49152
