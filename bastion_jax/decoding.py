@@ -25,9 +25,8 @@ def prefill_target(target, cache: KVCache, tokens: jax.Array, lengths: jax.Array
     are zeros of width 1 when nothing is tapped (a proposal-only engine has no drafter).
     """
     b, t = tokens.shape
-    zero = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = target(tokens, positions, cache, zero, causal_mask(b, t),
+    out = target(tokens, positions, cache, None, causal_mask(b, t),
                  tap_layers=tap_layers, logits_index=(lengths - 1)[:, None])
     features = out.taps if out.taps is not None else jnp.zeros((b, t, 1), jnp.float32)
     return sample(out.logits[:, 0], key, greedy), out.cache, features

@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "target, taps and tokens) are copied instead of recomputed")
     t.add_argument("--resume", action="store_true", help="continue OUT's latest checkpoint and refuse to start "
                    "without one (a rerun without --resume also continues a checkpoint it finds, and says so)")
+    t.add_argument("--max-seconds", type=float, help="stop after this much wall time (at a step boundary: "
+                   "validated, checkpointed, exported; resumable), e.g. inside a session or device lease")
     t.add_argument("--init-from-target", action="store_true", help="initialise the drafter's layers from the "
                    "target's last layers (its fc stays random)")
     e = sub.add_parser("eval", parents=[common], help="acceptance report: tau per mode and prompt set, AR "
@@ -222,7 +224,9 @@ def run_train(args, target, log) -> None:
     trainer = Trainer(target, drafter, cfg, out, log=log, ranking=ranking,
                       reuse_features=tuple(Path(p) for p in args.reuse_features),
                       on_best=lambda state, ev: record(state, out / "best", validation=ev))
-    trained = trainer.fit(train, val if len(val) else None, progress=not args.quiet)
+    if args.max_seconds is not None and args.max_seconds <= 0:
+        raise ValueError(f"--max-seconds must be > 0, got {args.max_seconds}")
+    trained = trainer.fit(train, val if len(val) else None, progress=not args.quiet, max_seconds=args.max_seconds)
     export = record(trained.state, out / "drafter", best_validation=trainer.best())
     log(f"exported {export} ({sum(f.stat().st_size for f in export.iterdir()) / 1e6:.1f} MB)"
         + (f"; the best validation step ({trainer.best()['step']}) is in {out / 'best'}" if trainer.best() else ""))

@@ -137,18 +137,24 @@ def finish(part: Partial, dtype: jnp.dtype) -> jax.Array:
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hkv * g * d).astype(dtype)
 
 
-def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, k: jax.Array,
+def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array | None, k: jax.Array,
                  v: jax.Array, mask: jax.Array, *, layer: int | jax.Array | None = None,
                  prefix_chunk: int = PREFIX_CHUNK, new_chunk: int = NEW_CHUNK) -> jax.Array:
     """Attention of q [b, t, q_heads, d] over the cache prefix (slots < length[b] of k_cache/v_cache
     [b, max_len, kv_heads, d], or of layer `layer` of stacked ones [layers, b, max_len, kv_heads, d])
     and the new keys k, v [b, t_k, kv_heads, d] through mask [b, t, t_k].
 
+    `length` None says, at trace time, that nothing is committed (a prefill): the prefix is not
+    read at all. (A constant zero length gives the same result, but XLA:GPU then constant-folds the
+    loop body's all-masked scores, tens of seconds per compile at SmolLM2 batch 128.)
+
     Returns [b, t, q_heads * d]; equal to `attend` over [prefix | new] up to float rounding."""
     qg = _group(q, k.shape[2])
     slots = k_cache.shape[1 if layer is None else 2]
     kernel = prefix_kernel_mode(q.shape[-1], slots)
-    if kernel is None:
+    if length is None:
+        part = empty(q, k.shape[2])
+    elif kernel is None:
         part = prefix(empty(q, k.shape[2]), qg, k_cache, v_cache, length, prefix_chunk, layer)
     else:
         from bastion_jax.modeling import prefix_kernel

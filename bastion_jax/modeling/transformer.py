@@ -38,7 +38,7 @@ class Attention(nnx.Module):
         self.heads = (hq, hkv, d)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: KVCache, layer: int | jax.Array,
-                 start: jax.Array, mask: jax.Array, active: jax.Array | None) -> tuple[jax.Array, KVCache]:
+                 start: jax.Array | None, mask: jax.Array, active: jax.Array | None) -> tuple[jax.Array, KVCache]:
         b, t, _ = x.shape
         hq, hkv, d = self.heads
         q = self.q_proj(x).reshape(b, t, hq, d)  # [b, t, q_heads, d]
@@ -49,7 +49,7 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Write first, then read slots < start of the written buffer: reading the old buffer inside the
         # prefix loop and writing it afterwards makes XLA copy the whole cache.
-        cache = cache.write_layer(layer, k, v, start, active)
+        cache = cache.write_layer(layer, k, v, jnp.zeros((b,), jnp.int32) if start is None else start, active)
         k_buf, v_buf, index = cache.layer(layer)
         out = attend_split(q, k_buf, v_buf, start, k, v, mask, layer=index)  # committed slots < start, then the t new
         return self.o_proj(out), cache
@@ -111,12 +111,13 @@ class Transformer(nnx.Module):
         w = (self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)[...]  # [vocab, hidden]
         return jnp.einsum("...h,vh->...v", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: jax.Array,
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: jax.Array | None,
                  mask: jax.Array, *, tap_layers: Sequence[int] = (),
                  logits_index: jax.Array | None = None, active: jax.Array | None = None) -> ForwardOutput:
         """Run `tokens` `[batch, t]` at RoPE `positions` `[batch, t]`, writing K/V at slots
         `start[b] + i`. Each token attends to every committed slot `< start[b]` and to the new
-        tokens that `mask` `[batch, t, t]` shows it (causal, or a tree's ancestors).
+        tokens that `mask` `[batch, t, t]` shows it (causal, or a tree's ancestors). `start` None:
+        nothing is committed yet (a prefill from slot 0; the prefix is not read).
 
         `logits_index` `[batch, n]` picks which of the t positions get logits (prefill only needs
         the last real one); None means all. `tap_layers` returns the outputs of those decoder

@@ -67,10 +67,9 @@ def _linear(mod, x: jax.Array, dtype) -> jax.Array:
 def target_features(target, tokens: jax.Array, tap_layers: tuple[int, ...], cache_dtype) -> jax.Array:
     """Tapped target layer outputs for whole sequences tokens [b, S] -> [b, S, n_taps * hidden]."""
     b, s = tokens.shape
-    start = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
     cache = KVCache.create(target.config, b, s, cache_dtype)
-    out = target(tokens, positions, cache, start, causal_mask(start.shape[0], s), tap_layers=tap_layers,
+    out = target(tokens, positions, cache, None, causal_mask(b, s), tap_layers=tap_layers,
                  logits_index=jnp.zeros((b, 1), jnp.int32))
     return jax.lax.stop_gradient(out.taps)
 

@@ -74,12 +74,30 @@ class TrainConfig:
             raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
 
 
+def learning_rate(cfg: TrainConfig, progress: float) -> float:
+    """The DFlash schedule at `progress` in [0, 1] of the run: linear warm-up over `warmup_ratio`,
+    then cosine decay to 10% of `lr`. Progress is steps done / `steps`, or, for a run with a
+    wall-time limit, the larger of that and the time used, so a run cut by time still anneals."""
+    warmup = max(1, int(round(cfg.warmup_ratio * cfg.steps))) / cfg.steps
+    progress = min(max(progress, 0.0), 1.0)
+    if progress < warmup:
+        return cfg.lr * progress / warmup
+    t = (progress - warmup) / max(1.0 - warmup, 1e-9)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t)))
+
+
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warm-up, cosine decay to 10% and global-norm clipping (DFlash recipe)."""
-    warmup = max(1, int(round(cfg.warmup_ratio * cfg.steps)))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), cfg.lr * 0.1)
-    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
+    """AdamW (global-norm clipping first) whose learning rate is a state input the loop sets each
+    step from `learning_rate`: the schedule can follow wall time as well as steps."""
+    adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, b1=0.9, b2=0.95,
+                                                  weight_decay=cfg.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+
+
+def set_learning_rate(opt_state, lr: float):
+    """`opt_state` (of `optimizer`) with its injected learning rate set to `lr`."""
+    clip, adamw = opt_state
+    return clip, adamw._replace(hyperparams={**adamw.hyperparams, "learning_rate": jnp.asarray(lr, jnp.float32)})
 
 
 def blocks_forward(drafter, embed: jax.Array, features: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
@@ -253,8 +271,13 @@ class Trainer:
         (self.workdir / "best.json").write_text(json.dumps(ev, indent=2))
         self.log(f"step {ev['step']}: best validation so far")
 
-    def fit(self, train: TokenDataset, val: TokenDataset | None = None, progress: bool = True) -> LoadedDrafter:
+    def fit(self, train: TokenDataset, val: TokenDataset | None = None, progress: bool = True,
+            max_seconds: float | None = None) -> LoadedDrafter:
         """Run to `cfg.steps` (resuming if checkpoints exist); returns the trained drafter (fp32).
+
+        `max_seconds` (wall time of this call) ends the run early at a step boundary, validated,
+        checkpointed and resumable, so a job inside a time-limited session or device lease keeps
+        what it trained; the learning-rate schedule still follows `cfg.steps`.
 
         Throughput is logged as drafter positions per second: block positions carrying a loss per
         wall second of training steps (batch assembly, feature lookup or computation, the step),
@@ -277,9 +300,14 @@ class Trainer:
         busy, positions, first = 0.0, 0, True
         total_busy, total_positions, start = 0.0, 0, step
         bar = tqdm(total=self.cfg.steps, initial=step, disable=not progress, desc="train", unit="step")
+        deadline = None if max_seconds is None else time.perf_counter() + max_seconds
         while step < self.cfg.steps:
             t0 = time.perf_counter()
             idx = next(indices)
+            progress = step / self.cfg.steps
+            if deadline is not None:
+                progress = max(progress, 1.0 - (deadline - t0) / max_seconds)
+            opt_state = set_learning_rate(opt_state, learning_rate(self.cfg, progress))
             params, opt_state, m = train_step(params, opt_state, self.vocab, self.embed, store.get(idx),
                                               jnp.asarray(train.tokens[idx]), jnp.asarray(train.loss_mask[idx]),
                                               jax.random.fold_in(key, step), tx=self.tx, **self.static)
@@ -293,7 +321,11 @@ class Trainer:
             step += 1
             history.append(m)
             bar.update(1)
-            if step % self.cfg.log_every == 0 or step == self.cfg.steps:
+            stopping = deadline is not None and time.perf_counter() >= deadline and step < self.cfg.steps
+            if stopping:
+                self.log(f"step {step}: --max-seconds reached; stopping here (resumable)")
+            last = step == self.cfg.steps or stopping
+            if step % self.cfg.log_every == 0 or last:
                 avg = _mean(history)
                 history = []
                 rate = positions / busy if busy else None
@@ -304,8 +336,7 @@ class Trainer:
                                 pos_s=f"{rate:.0f}" if rate else "-")
                 with open(log_path, "a") as f:
                     f.write(json.dumps({"split": "train", **avg}) + "\n")
-            evaluating = val is not None and (step == self.cfg.steps or (self.cfg.eval_every and
-                                                                         step % self.cfg.eval_every == 0))
+            evaluating = val is not None and (last or (self.cfg.eval_every and step % self.cfg.eval_every == 0))
             if evaluating:
                 ev = dict(self.evaluate(params, val, store=val_store), step=step)
                 with open(log_path, "a") as f:
@@ -313,9 +344,11 @@ class Trainer:
                 self.log(f"step {step}: val loss {ev['loss']:.3f} | first-token acc {ev['acc_first']:.3f} | "
                          f"teacher-forced tau {ev['accept_len']:.2f}")
                 self._note_validation(params, ev)
-            if step % self.cfg.save_every == 0 or step == self.cfg.steps:
+            if step % self.cfg.save_every == 0 or last:
                 self._save(mngr, step, params, opt_state)
                 store.flush()
+            if stopping:
+                break
         bar.close()
         if val_store:
             val_store.flush()
