@@ -23,7 +23,8 @@ python -m bastion_jax.train_drafter data --out runs/data/greedy.jsonl --num 3200
 python -m bastion_jax.train_drafter pack --data runs/data/greedy.jsonl --out $here/greedy.npz --vocab-size 49152
 python -m bastion_jax.train_drafter data --out runs/data/t07.jsonl --num 3200 --seed 2 --temperature 0.7 $common
 python -m bastion_jax.train_drafter pack --data runs/data/t07.jsonl --out $here/t07.npz --vocab-size 49152
-# A third set (2026-11-25): new prompts (seed 3 picks other gsm8k_train / code_alpaca / stdlib prompts
-# and writes 1000 new Magpie prompts), sampled at T = 0.7.
-python -m bastion_jax.train_drafter data --out runs/data/t07s3.jsonl --num 3200 --seed 3 --temperature 0.7 $common
+# A third set: new prompts (seed 3 picks other gsm8k_train / code_alpaca / stdlib prompts) with the 300
+# Magpie prompts written for it on a GPU (magpie_prompts_s3.jsonl.gz, 2026-11-26), sampled at T = 0.7.
+python -m bastion_jax.train_drafter data --out runs/data/t07s3.jsonl --num 3200 --seed 3 --temperature 0.7 \
+  ${common/--magpie 1000/--magpie 300}
 python -m bastion_jax.train_drafter pack --data runs/data/t07s3.jsonl --out $here/t07s3.npz --vocab-size 49152

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Drafter training on a lent GPU (issue 13), inside ONE device command of BUDGET seconds:
-#   1. more target-written data: four new sets generated side by side (new seeds: other gsm8k_train /
-#      code_alpaca prompts, new Magpie prompts; greedy and T = 0.7), time-boxed, for later runs;
-#   2. meanwhile two drafters trained side by side on the committed sets, each stopped by
+#   1. more target-written data, alone on the GPU: two new sets generated side by side (seeds 3 and 4:
+#      other gsm8k_train / code_alpaca prompts, their committed Magpie prompts; T = 0.7 and greedy),
+#      time-boxed;
+#   2. two drafters trained side by side on the committed sets + the new ones, each stopped by
 #      --max-seconds (the learning rate anneals on wall time, so a cut run still ends annealed):
 #        a: the shipped 2-layer drafter continued (same CPU draft cost, more data),
 #        b: a 4-layer drafter from the target's top layers (the issue's "aim higher");
@@ -17,6 +18,7 @@
 # beside it (the device image's transformers predates the torch-free GGUF tokenizer path).
 # On CPU, a smoke run: TARGET=<dir> DATA_DIR=../shared/data NUM=8 BS=4 MAXNEW=16 MAGPIE_CAP=4 TBS=2 STEPS=3 bash ... 300
 set -uo pipefail
+shopt -s nullglob  # "$here"/t07s*.npz: only the sets that exist
 cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 T0=$(date +%s)
@@ -29,7 +31,7 @@ BS=${BS:-128}             # generation batch
 STEPS=${STEPS:-6000}      # training steps (the schedule's length; --max-seconds usually ends it first)
 TBS=${TBS:-32}            # training batch (sequences)
 MAXNEW=${MAXNEW:-256}     # new tokens per response
-MAGPIE_CAP=${MAGPIE_CAP:-1500}  # self-written prompts per set at most
+MAGPIE_CAP=${MAGPIE_CAP:-1500}  # self-written prompts per set at most (only the committed ones are used)
 DATA_DIR=${DATA_DIR:-.device/p2/data}
 STASH=${STASH:-/root/stash}
 mkdir -p "$W/logs" "$W/ret" "$OUT"
@@ -61,15 +63,21 @@ fi
 log "target $TARGET ready"
 $PY -c "import jax, flax, optax, orbax.checkpoint as o; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__, jax.devices())" 2>&1 | tee -a "$W/logs/job.log"
 
-# -- 1. data and 2. training, side by side ------------------------------------------------------------
-# The GPU is far from busy with a 135M target: four generators and two trainers share it. The
-# trainers learn from the committed sets; the new sets come back for later runs.
+# -- 1. data, alone on the GPU -----------------------------------------------------------------------
+# AR generation is a stream of small kernels: shared with trainers (2026-11-26, H200) its first
+# batch took 192 s (compiles competing for the CPU) and then ~0.3 s per step, so it runs first.
+# Each set starts from its committed Magpie prompts (magpie_prompts_sN.jsonl.gz) and writes no more.
 STOP_AT=$(( BUDGET - 75 ))  # then pack, tar and return
-DATA_S=${DATA_S:-$(( STOP_AT - $(elapsed) ))}
-gen() {  # name seed temperature magpie
-  local magpie=$(( $4 < MAGPIE_CAP ? $4 : MAGPIE_CAP ))
+DATA_S=${DATA_S:-$(( BUDGET * 30 / 100 ))}
+gen() {  # name seed temperature
+  local prompts=$here/magpie_prompts_s$2.jsonl.gz magpie=0
+  if [ -f "$prompts" ] && [ ! -f "$W/$1.jsonl.magpie.jsonl" ]; then
+    gunzip -c "$prompts" > "$W/$1.jsonl.magpie.jsonl"
+  fi
+  [ -f "$W/$1.jsonl.magpie.jsonl" ] && magpie=$(wc -l < "$W/$1.jsonl.magpie.jsonl")
+  magpie=$(( magpie < MAGPIE_CAP ? magpie : MAGPIE_CAP ))
   # exact float32 products (no TF32) so greedy responses are the target's; the XLA prefix loop
-  JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_MEM_FRACTION=0.08 timeout -s INT -k 15 "$DATA_S" \
+  JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout -s INT -k 15 "$DATA_S" \
     $PY -c "import sys; from bastion_jax.modeling.attention import set_prefix_kernel; set_prefix_kernel('xla'); \
 from bastion_jax.train_drafter import main; sys.exit(main(sys.argv[1:]))" \
     data --target "$TARGET" --out "$W/$1.jsonl" --num "$NUM" --seed "$2" --temperature "$3" --magpie "$magpie" \
@@ -77,34 +85,12 @@ from bastion_jax.train_drafter import main; sys.exit(main(sys.argv[1:]))" \
     --max-new-tokens "$MAXNEW" --batch-size "$BS" > "$W/logs/data-$1.log" 2>&1
   echo "$1 exit $?" >> "$W/logs/data-$1.log"
 }
-train() {  # name args...: retried with other XLA settings / a bf16 target if it fails (first GPU runs
-  # of this code met a Triton fusion asking for more shared memory than the GPU has)
-  local name=$1; shift
-  local variant
-  for variant in plain no-triton-gemm bf16-target; do
-    local left=$(( STOP_AT - $(elapsed) - 30 ))
-    [ "$left" -gt 40 ] || break
-    local flags="" dtype=auto
-    [ "$variant" = no-triton-gemm ] && flags="--xla_gpu_enable_triton_gemm=false"
-    [ "$variant" = bf16-target ] && { flags="--xla_gpu_enable_triton_gemm=false"; dtype=bfloat16; }
-    echo "== $name: variant $variant, ${left}s" >> "$W/logs/train-$name.log"
-    XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 $PY -m bastion_jax.train_drafter train "$@" \
-      --dtype "$dtype" --out "$W/$name-$variant" --max-seconds "$left" >> "$W/logs/train-$name.log" 2>&1 \
-      && { echo "$name-$variant" > "$W/$name.ok"; break; }
-  done
-}
-log "data: 4 sets of up to $NUM prompts, ${DATA_S}s; training two drafters until ${STOP_AT}s"
-gen t07s3 3 0.7 1000 & gen g4 4 0.0 1000 & gen t07s5 5 0.7 1500 & gen t07s6 6 0.7 1500 &
-common=(--target "$TARGET" --data "$here/greedy.npz" "$here/t07.npz" --block-size 16 --seq-len 512
-        --anchors 64 --batch-size "$TBS" --held-out 64 --eval-every 200 --save-every 1000 --steps "$STEPS"
-        --no-feature-cache)
-train v7a "${common[@]}" --init bastion_jax/assets/smollm2-135m-instruct-dflash --lr 3e-4 &
-train v7b "${common[@]}" --layers 4 --init-from-target --lr 6e-4 &
+log "data: 2 sets of up to $NUM prompts, ${DATA_S}s"
+gen t07s3 3 0.7 & gen g4 4 0.0 &
 wait
-log "generation and training done"
-for name in t07s3 g4 t07s5 t07s6; do
+new=()
+for name in t07s3 g4; do
   f=$W/$name.jsonl
-  [ -s "$f.magpie.jsonl" ] && gzip -c "$f.magpie.jsonl" > "$W/ret/$name.magpie.jsonl.gz"
   [ -s "$f" ] || continue
   # a set cut by its time box may end in a half-written line: keep the complete records
   $PY - "$f" <<'PYEOF'
@@ -118,6 +104,37 @@ for l in open(sys.argv[1]).read().split("\n"):
 open(sys.argv[1], "w").write("".join(g + "\n" for g in good))
 PYEOF
   $PY -m bastion_jax.train_drafter pack --data "$f" --out "$W/ret/$name.npz" --vocab-size 49152 2>&1 | tee -a "$W/logs/job.log"
+  [ -f "$W/ret/$name.npz" ] && new+=("$W/ret/$name.npz")
+done
+log "data done: ${new[*]:-none}"
+
+# -- 2. training: two drafters side by side ------------------------------------------------------------
+train() {  # name args...: retried with other XLA settings / a bf16 target if it fails
+  local name=$1; shift
+  local variant
+  for variant in plain no-triton-gemm bf16-target; do
+    local left=$(( STOP_AT - $(elapsed) - 30 ))
+    [ "$left" -gt 40 ] || break
+    local flags="" dtype=auto
+    [ "$variant" = no-triton-gemm ] && flags="--xla_gpu_enable_triton_gemm=false"
+    [ "$variant" = bf16-target ] && { flags="--xla_gpu_enable_triton_gemm=false"; dtype=bfloat16; }
+    echo "== $name: variant $variant, ${left}s" >> "$W/logs/train-$name.log"
+    XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 $PY -m bastion_jax.train_drafter train "$@" \
+      --dtype "$dtype" --out "$W/$name-$variant" --max-seconds "$left" >> "$W/logs/train-$name.log" 2>&1 \
+      && { echo "$name-$variant" > "$W/$name.ok"; break; }
+  done
+}
+log "training two drafters until ${STOP_AT}s"
+# The committed sets first and the new ones after, so the held-out rows are the last of the last file.
+common=(--target "$TARGET" --data "$here"/greedy.npz "$here"/t07.npz "$here"/t07s*.npz "${new[@]}" --block-size 16
+        --seq-len 512 --anchors 64 --batch-size "$TBS" --held-out 128 --eval-every 200 --save-every 1000
+        --steps "$STEPS" --no-feature-cache)
+train v7a "${common[@]}" --init bastion_jax/assets/smollm2-135m-instruct-dflash --lr 3e-4 &
+train v7b "${common[@]}" --layers 4 --init-from-target --lr 6e-4 &
+wait
+log "training done"
+for name in t07s3 g4; do
+  [ -s "$W/$name.jsonl.magpie.jsonl" ] && gzip -c "$W/$name.jsonl.magpie.jsonl" > "$W/ret/$name.magpie.jsonl.gz"
 done
 
 # -- 3. what comes back -------------------------------------------------------------------------------
