@@ -11,10 +11,11 @@ from __future__ import annotations
 import time
 
 
-def calibration_model(target, drafter, draft_vocab=None) -> str:
+def calibration_model(target, drafter, draft_vocab=None, lookup: bool = True) -> str:
     """The models part of the calibration key: the target's and the drafter's files as they resolve on
     disk (`model_identity`), so `generate` and `profile --install` agree however a path is spelled,
-    the target's layer layout, and the draft vocabulary's size (it sets the price of a draft)."""
+    the target's layer layout, the draft vocabulary's size (it sets the price of a draft) and
+    whether the context lookup runs in the tree steps (`--lookup off` steps cost less)."""
     from bastion_jax.latency import model_identity
 
     t = model_identity(target.path) if target.path is not None else "in-memory target"
@@ -23,7 +24,8 @@ def calibration_model(target, drafter, draft_vocab=None) -> str:
     if drafter is None:
         return f"{t}|none"
     d = model_identity(drafter.path) if drafter.path is not None else "random"
-    return f"{t}|{d}" + (f"|draft-vocab {int(draft_vocab.ids.shape[0])}" if draft_vocab is not None else "")
+    return (f"{t}|{d}" + (f"|draft-vocab {int(draft_vocab.ids.shape[0])}" if draft_vocab is not None else "")
+            + ("" if lookup else "|lookup off"))
 
 
 def calibration_path(engine, model: str):

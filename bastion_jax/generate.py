@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                                          engine.slack(policy))
         if policy.kind == "bastion":
             if len(ids) == 1:
-                load_or_calibrate(engine, calibration_model(target, drafter, engine.draft_vocab), cache_len, sampling,
-                                  args.no_calibrate, log)
+                model = calibration_model(target, drafter, engine.draft_vocab, lookup=engine.lookup is not None)
+                load_or_calibrate(engine, model, cache_len, sampling, args.no_calibrate, log)
             else:  # a saved profile times batch-1 steps: not this run's cost, and nothing is saved from here
                 log(f"latency calibration: not used for a batch of {len(ids)} prompts (steps of {len(ids)} rows "
                     "priced by the roofline at that batch + online correction)")

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from bastion_jax.cli import fail, stderr_log
+from bastion_jax.cli import add_lookup_flag, fail, resolve_lookup, stderr_log
 from bastion_jax.controller import DEFAULT_BUCKETS, PolicyError, parse_buckets
 from bastion_jax.profile_report import device_meta, markdown, write_outputs
 from bastion_jax.profiler import run_profile
@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, help="KV cache length (default: longest context + slack, rounded to 256)")
     p.add_argument("--draft-vocab", default="auto", help="drafter LM head over the N most frequent tokens: auto, "
                    "full or N (as in generate; part of the calibration key)")
+    add_lookup_flag(p)
     p.add_argument("--tree-top-k", type=int, default=128, help="tree width: drafter candidates per position "
                    "(default 128, as `generate`; part of the calibration key)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per cell (median; default 5)")
@@ -179,9 +180,10 @@ def setup(args, log=lambda msg: None) -> Setup:
                                    target.config.max_position_embeddings, args.max_len)
         label = Path(args.target).name.split(".")[0] or "target"
         draft_vocab = resolve_draft_vocab(target, drafter, args.draft_vocab)
-        model_name = calibration_model(target, drafter, draft_vocab)  # what `generate` computes for the same pair
+        # what `generate` computes for the same pair and flags
+        model_name = calibration_model(target, drafter, draft_vocab, lookup=getattr(args, "lookup", "on") == "on")
     engine = Engine(target, None, drafter=drafter, stop_ids=[], buckets=buckets, top_k=args.tree_top_k,
-                    draft_vocab=draft_vocab)
+                    draft_vocab=draft_vocab, lookup=resolve_lookup(getattr(args, "lookup", "on")))
     if args.peaks == "measure":
         copy_bytes = args.copy_mib << 20 if args.copy_mib else None
         log("measuring copy bandwidth and matmul rate")

@@ -103,11 +103,12 @@ class StepOutput:
     count: jax.Array  # [b] accepted + 1
 
 
-def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array,
+def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array | None,
                  ctx_len: jax.Array, root: jax.Array, *, block_size: int, mask_token_id: int,
                  proposal: Optional[Proposal], draft_vocab: Optional[DraftVocab] = None,
                  active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """Inject `features` [b, C, F] (first ctx_len real) at ctx_start, then draft the block after `root`.
+    `ctx_start` None: the drafter cache is empty (a prefill), the features go to slot 0.
 
     Returns the per-position logits [b, B-1, vocab] (slot k predicts position s + k, s = root's
     position; over `draft_vocab`'s N tokens when given) and the drafter cache holding context for
@@ -126,7 +127,7 @@ def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, c
     else:
         logits = jnp.zeros((b, block_size - 1, target.config.vocab_size), jnp.float32)
     if proposal is not None:
-        logits = proposal(root, ctx_start + ctx_len, logits)
+        logits = proposal(root, ctx_len if ctx_start is None else ctx_start + ctx_len, logits)
     return logits, drafter_cache
 
 
@@ -152,7 +153,7 @@ def spec_prefill(cfg: StepConfig, target_state, drafter_state, target_cache: KVC
     target, drafter = merge_models(cfg, target_state, drafter_state)
     root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, cfg.greedy,
                                                   cfg.tap_layers)
-    drafts, drafter_cache = draft_block(target, drafter, drafter_cache, features, jnp.zeros_like(lengths), lengths,
+    drafts, drafter_cache = draft_block(target, drafter, drafter_cache, features, None, lengths,
                                         root, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                                         proposal=cfg.proposal, draft_vocab=draft_vocab)
     return SpecState(target_cache, drafter_cache, root, drafts, lengths + 0)  # fresh buffer: donatable

@@ -94,8 +94,8 @@ def tree_prefill(cfg: StepConfig, target_state, drafter_state, target_cache: KVC
                                                   cfg.tap_layers)
     batch, slots = root.shape[0], target_cache.max_len
     look, chain = init_state(cfg.lookup, tokens, lengths, root, slots, cfg.block_size - 1)
-    tree, curve, drafter_cache = _next_tree(cfg, target, drafter, drafter_cache, features, jnp.zeros_like(lengths),
-                                            lengths, root, draft_vocab, chain=chain)
+    tree, curve, drafter_cache = _next_tree(cfg, target, drafter, drafter_cache, features, None, lengths, root,
+                                            draft_vocab, chain=chain)
     pending = jnp.zeros((batch, pending_slots(cfg.block_size), features.shape[-1]), features.dtype)
     # `lengths + 0`: a fresh buffer, so the first step can donate the state without a copy.
     return TreeState(target_cache, drafter_cache, tree, lengths + 0, pending, jnp.zeros_like(lengths), look), curve

@@ -133,3 +133,26 @@ def test_compiled_steps_never_copy_a_cache_buffer(slots, scan):
     for name, exe_ in compiled.items():
         copies = [line.strip() for line in exe_.as_text().splitlines() if copy.search(line)]
         assert not copies, (name, copies[:2])
+
+
+@pytest.mark.parametrize("t", [5, 19])
+def test_nothing_committed_reads_no_prefix(t):
+    """length None (a prefill, known at trace time) equals a zero length: the cache, full of garbage,
+    is not read either way. Short and chunked new parts (new_chunk 8 < 19)."""
+    rng = np.random.default_rng(t)
+    b, max_len, hq, hkv, d = 2, 24, 4, 2, 8
+    q = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.float32)
+    k_cache = jnp.asarray(rng.normal(size=(b, max_len, hkv, d)) * 3, jnp.float32)
+    v_cache = jnp.asarray(rng.normal(size=(b, max_len, hkv, d)), jnp.float32)
+    k_new = jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.float32)
+    v_new = jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.float32)
+    mask = causal_mask(b, t)
+    zero = jnp.zeros((b,), jnp.int32)
+    got = attend_split(q, k_cache, v_cache, None, k_new, v_new, mask, new_chunk=8)
+    want = attend_split(q, k_cache, v_cache, zero, k_new, v_new, mask, new_chunk=8)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(attend(q, k_new, v_new, mask)), rtol=2e-5, atol=2e-5)
+    # The compiled prefill has no loop over the cache at all (the constant-zero form has one).
+    hlo = jax.jit(lambda *a: attend_split(*a[:3], None, *a[3:])).lower(q, k_cache, v_cache, k_new, v_new,
+                                                                         mask).as_text()
+    assert "while" not in hlo or t > 8  # t = 19 folds its own keys in a loop of new_chunk trips

@@ -85,11 +85,11 @@ def test_calibration_key_follows_the_setting_not_the_spelling(tiny_ckpt, tmp_pat
     from bastion_jax.engine import Engine
     from bastion_jax.testing import tiny_drafter_config
 
-    def path_for(target_path, dtype=jnp.float32, buckets=(1, 4), top_k=8):
+    def path_for(target_path, dtype=jnp.float32, buckets=(1, 4), top_k=8, lookup=True):
         target = load_target(target_path, dtype)
         drafter = random_drafter(tiny_drafter_config(target.config, block_size=4), target.dtype)
         engine = Engine(target, stop_ids=[-1], drafter=drafter, buckets=buckets, top_k=top_k)
-        return calibration.calibration_path(engine, calibration.calibration_model(target, drafter))
+        return calibration.calibration_path(engine, calibration.calibration_model(target, drafter, lookup=lookup))
 
     copy = Path(shutil.copytree(tiny_ckpt, tmp_path / "ckpt"))
     (tmp_path / "link").symlink_to(copy)
@@ -97,6 +97,7 @@ def test_calibration_key_follows_the_setting_not_the_spelling(tiny_ckpt, tmp_pat
     base = path_for(copy)
     assert path_for("ckpt") == path_for("./link/") == base
     assert path_for(copy, top_k=16) != base
+    assert path_for(copy, lookup=False) != base
     assert path_for(copy, buckets=(1, 4, 8)) != base
     assert path_for(copy, dtype=jnp.bfloat16) != base
     config = copy / "config.json"

@@ -170,6 +170,55 @@ def test_toy_training_learns_resumes_and_exports(pair, toy_data, tmp_path):
     assert spec.stats.tau > untrained.stats.tau and spec.stats.tau > 1.3
 
 
+def test_learning_rate_follows_the_dflash_schedule():
+    """The injected rate equals optax's warm-up + cosine schedule (to 10%) at every step, and a
+    wall-time progress past the step count moves it on."""
+    import optax
+
+    from bastion_jax.training.trainer import learning_rate
+
+    cfg = TrainConfig(steps=200, lr=6e-4, warmup_ratio=0.04)
+    ref = optax.warmup_cosine_decay_schedule(0.0, 6e-4, 8, 200, 6e-5)
+    for step in range(0, 201, 7):
+        assert learning_rate(cfg, step / 200) == pytest.approx(float(ref(step)), rel=1e-5, abs=1e-9)
+    assert learning_rate(cfg, 1.0) == pytest.approx(6e-5)
+    assert learning_rate(cfg, 0.9) < learning_rate(cfg, 0.5)
+
+
+def test_max_seconds_stops_resumably_and_anneals(pair, toy_data, tmp_path, monkeypatch):
+    """A wall-time limit ends the run at a step boundary with a validation, a checkpoint and an
+    annealed rate (wall-time progress, far ahead of the step count, drove the schedule through
+    warm-up and decay); a rerun resumes there. A fake clock makes it independent of machine speed."""
+    from bastion_jax.training import trainer as trainer_module
+
+    class Clock:  # every reading advances 10 ms
+        t = 0.0
+
+        def perf_counter(self):
+            self.t += 0.01
+            return self.t
+
+    target, drafter = pair
+    train, val = TokenDataset(toy_data, seq_len=32, vocab_size=target.config.vocab_size).split(4)
+    cfg = TrainConfig(steps=100_000, batch_size=4, seq_len=32, num_anchors=8, lr=1e-2, log_every=10,
+                      save_every=50_000, eval_every=50_000)
+    rates, seen = [], []
+    real = trainer_module.set_learning_rate
+    monkeypatch.setattr(trainer_module, "time", Clock())
+    monkeypatch.setattr(trainer_module, "set_learning_rate", lambda s, lr: rates.append(lr) or real(s, lr))
+    Trainer(target, drafter, cfg, tmp_path, log=seen.append).fit(train, val, progress=False, max_seconds=1.0)
+    stopped = len(rates)
+    assert 10 <= stopped < 100 and any("--max-seconds reached" in m for m in seen)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["split"] == "val" and rows[-1]["step"] == stopped
+    assert rates[0] < 0.5 * cfg.lr and max(rates) > 0.9 * cfg.lr and rates[-1] < 0.15 * cfg.lr
+    monkeypatch.undo()
+    seen.clear()
+    Trainer(target, drafter, dataclasses_replace(cfg, steps=stopped + 2), tmp_path, log=seen.append).fit(
+        train, val, progress=False)
+    assert any("resumed" in m and f"step {stopped}" in m for m in seen)
+
+
 def dataclasses_replace(cfg, **kw):
     import dataclasses
 

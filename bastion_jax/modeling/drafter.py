@@ -86,18 +86,23 @@ class Drafter(nnx.Module):
         self.layers = nnx.List([DrafterLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, block_emb: jax.Array, ctx_features: jax.Array, ctx_start: jax.Array,
+    def __call__(self, block_emb: jax.Array, ctx_features: jax.Array, ctx_start: jax.Array | None,
                  ctx_len: jax.Array, cache: KVCache, active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """One drafting call.
 
         block_emb: [b, B, h] target embeddings of [root, MASK...]; ctx_features: [b, C, n_taps*h]
         features of the newly committed tokens at positions ctx_start + i (only the first ctx_len
-        rows are real; the rest are padding). The root sits at s = ctx_start + ctx_len.
+        rows are real; the rest are padding). The root sits at s = ctx_start + ctx_len. `ctx_start`
+        None: nothing is cached yet (the prefill's first block; the cache's prefix is not read, as
+        the target's prefill does not read its own).
         Returns the final-normed block hidden states [b, B, h] and the cache with the new context
         (rows with `active[b]` False keep their cache unchanged).
         """
         b, block, _ = block_emb.shape
         c = ctx_features.shape[1]
+        empty = ctx_start is None
+        if empty:
+            ctx_start = jnp.zeros((b,), jnp.int32)
         s = ctx_start + ctx_len  # [b]
         inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim)
         dtype = block_emb.dtype
@@ -111,7 +116,8 @@ class Drafter(nnx.Module):
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.self_attn.context_kv(x_ctx, rope_ctx)  # [b, C, kv_heads, d]
             cache = cache.write_layer(i, k_ctx, v_ctx, ctx_start, active)  # written first: see Transformer
-            h = layer(h, rope_blk, k_ctx, v_ctx, mask, (*cache.layer(i), ctx_start))  # cache slots < ctx_start
+            h = layer(h, rope_blk, k_ctx, v_ctx, mask,
+                      (*cache.layer(i), None if empty else ctx_start))  # cache slots < ctx_start
         return self.norm(h), cache
 
     def inject(self, ctx_features: jax.Array, ctx_start: jax.Array, cache: KVCache, dtype: jnp.dtype,
