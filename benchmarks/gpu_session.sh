@@ -5,6 +5,15 @@
 #   bash benchmarks/gpu_session.sh check    # versions; the prefix kernel compiled for this GPU vs the XLA loop
 #   bash benchmarks/gpu_session.sh perf     # perf_8b at Qwen3-8B shapes (random bf16 weights), Pallas kernel
 #   bash benchmarks/gpu_session.sh perf-xla # the same with the XLA prefix loop, to compare
+#   bash benchmarks/gpu_session.sh stash    # keep the first GGUF piece (.device/p1, carried) for the drafter job
+#
+# A 15-minute lease, as the first one went (2026-11-26, H200; a start took ~30 s): run
+# `training_data/smollm2-135m-instruct/device_pieces.sh` here first, then, back to back,
+#   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && bash benchmarks/gpu_session.sh perf`
+#      with a timeout that leaves ~9 minutes (perf's tree_prefill took >150 s to compile before the
+#      prefill stopped passing a constant zero length; its time now is unmeasured);
+#   2. carry .device/p2: `bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS`, SECONDS
+#      about 60 under the lease's budget_left_s (status), which covers the transfers.
 #
 # Nothing is installed: the machine's image has JAX (CUDA), Flax, Optax, Orbax, safetensors and
 # tokenizers, and random-weight runs need nothing else (gguf is imported only to read a GGUF). The
@@ -15,7 +24,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-benchmarks/results}"
 mkdir -p "$OUT"
-step="${1:?usage: gpu_session.sh check|perf|perf-xla}"
+step="${1:?usage: gpu_session.sh check|perf|perf-xla|stash}"
 
 case "$step" in
   check)
@@ -25,6 +34,9 @@ case "$step" in
     JAX_PLATFORMS=cuda python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_prefix_kernel.py 2>&1 \
       | tee "$OUT/gpu-kernel-tests.log"
     ;;
+  stash)
+    mkdir -p /root/stash && cp .device/p1/gguf.xz.a /root/stash/ && ls -la /root/stash
+    ;;
   perf | perf-xla)
     mode=pallas
     [ "$step" = perf-xla ] && mode=xla
@@ -32,7 +44,7 @@ case "$step" in
       --name "perf-qwen3-8b-$mode" --out-dir "$OUT" --compilation-cache /tmp/jax-cache 2>&1 | tee "$OUT/perf-$mode.log"
     ;;
   *)
-    echo "unknown step $step (check, perf, perf-xla)" >&2
+    echo "unknown step $step (check, perf, perf-xla, stash)" >&2
     exit 2
     ;;
 esac
