@@ -163,7 +163,7 @@ def setup(args, log=lambda msg: None) -> Setup:
             f"{dcfg.num_hidden_layers}-layer drafter, random {jnp.dtype(dtype).name} weights")
         target, drafter = random_models(tcfg, dcfg, dtype, args.seed)
         label = args.arch + (f"-L{args.layers}" if args.layers else "")
-        model_name = f"arch:{label}|random"
+        model_name = f"arch:{label}|random" + ("" if getattr(args, "lookup", "on") == "on" else "|lookup off")
         draft_vocab = None
     else:
         from bastion_jax.checkpoints import load_drafter, load_target, random_drafter
@@ -179,7 +179,7 @@ def setup(args, log=lambda msg: None) -> Setup:
         cache_len = plan_cache_len(contexts, buckets, drafter.config.block_size,
                                    target.config.max_position_embeddings, args.max_len)
         label = Path(args.target).name.split(".")[0] or "target"
-        draft_vocab = resolve_draft_vocab(target, drafter, args.draft_vocab)
+        draft_vocab = resolve_draft_vocab(target, drafter, getattr(args, "draft_vocab", "auto"))
         # what `generate` computes for the same pair and flags
         model_name = calibration_model(target, drafter, draft_vocab, lookup=getattr(args, "lookup", "on") == "on")
     engine = Engine(target, None, drafter=drafter, stop_ids=[], buckets=buckets, top_k=args.tree_top_k,

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "target, taps and tokens) are copied instead of recomputed")
     t.add_argument("--resume", action="store_true", help="continue OUT's latest checkpoint and refuse to start "
                    "without one (a rerun without --resume also continues a checkpoint it finds, and says so)")
-    t.add_argument("--max-seconds", type=float, help="stop after this much wall time (at a step boundary: "
+    t.add_argument("--max-seconds", type=_positive_seconds, help="stop after this much wall time (at a step boundary: "
                    "validated, checkpointed, exported; resumable), e.g. inside a session or device lease")
     t.add_argument("--init-from-target", action="store_true", help="initialise the drafter's layers from the "
                    "target's last layers (its fc stays random)")
@@ -117,6 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-chat", action="store_true", help="prompts as plain text (no chat template)")
     e.add_argument("--out", help="also write the report to OUT.json and OUT.md")
     return p
+
+
+def _positive_seconds(text: str) -> float:
+    """--max-seconds: a finite number of seconds > 0."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def drafter_config(target_cfg, args):
@@ -224,8 +237,6 @@ def run_train(args, target, log) -> None:
     trainer = Trainer(target, drafter, cfg, out, log=log, ranking=ranking,
                       reuse_features=tuple(Path(p) for p in args.reuse_features),
                       on_best=lambda state, ev: record(state, out / "best", validation=ev))
-    if args.max_seconds is not None and args.max_seconds <= 0:
-        raise ValueError(f"--max-seconds must be > 0, got {args.max_seconds}")
     trained = trainer.fit(train, val if len(val) else None, progress=not args.quiet, max_seconds=args.max_seconds)
     export = record(trained.state, out / "drafter", best_validation=trainer.best())
     log(f"exported {export} ({sum(f.stat().st_size for f in export.iterdir()) / 1e6:.1f} MB)"

@@ -111,6 +111,7 @@ def worker_new(data_path: str, steps: int, variants: list[int]) -> list[dict]:
     import jax.numpy as jnp
 
     from bastion_jax.training import TokenDataset, Trainer, TrainConfig, batch_indices, train_step
+    from bastion_jax.training.trainer import set_learning_rate
 
     target, data, drafter = _common(data_path)
     workdir = Path(tempfile.mkdtemp(prefix="train-throughput-"))
@@ -133,7 +134,7 @@ def worker_new(data_path: str, steps: int, variants: list[int]) -> list[dict]:
                 store.get(b)
             fill = (time.perf_counter() - t0) / max(rows, 1) if rows else None
         params = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True), drafter.state)
-        opt_state = trainer.tx.init(params)
+        opt_state = set_learning_rate(trainer.tx.init(params), cfg.lr)  # the rate is an optimizer input
         key = jax.random.key(cfg.seed)
         times, positions = [], []
         for i, b in enumerate(idx):

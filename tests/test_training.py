@@ -214,9 +214,12 @@ def test_max_seconds_stops_resumably_and_anneals(pair, toy_data, tmp_path, monke
     assert rates[0] < 0.5 * cfg.lr and max(rates) > 0.9 * cfg.lr and rates[-1] < 0.15 * cfg.lr
     monkeypatch.undo()
     seen.clear()
+    later = []
+    monkeypatch.setattr(trainer_module, "set_learning_rate", lambda s, lr: later.append(lr) or real(s, lr))
     Trainer(target, drafter, dataclasses_replace(cfg, steps=stopped + 2), tmp_path, log=seen.append).fit(
         train, val, progress=False)
     assert any("resumed" in m and f"step {stopped}" in m for m in seen)
+    assert len(later) == 2 and max(later) < 0.15 * cfg.lr  # it goes on annealed, no jump back to the peak
 
 
 def dataclasses_replace(cfg, **kw):

@@ -191,6 +191,7 @@ class Trainer:
         self.static = dict(drafter_def=self.drafter.graphdef, obj=self.obj, matmul_dtype=self.cfg.matmul_dtype)
         self.embed = self.target.state["embed_tokens"]["weight"][...]
         self.vocab: LossVocab | None = None
+        self._progress = 0.0  # schedule progress of the last step run (saved with checkpoints)
 
     def prepare(self, train: TokenDataset) -> None:
         """The token ranking (kept in the work dir so a resumed run scores the same tokens) and the loss vocabulary."""
@@ -234,12 +235,14 @@ class Trainer:
         if meta.get("train_config") != dataclasses.asdict(self.cfg):
             self.log(f"note: resuming step {step} with a different training config than the one saved")
         self.log(f"resumed from {self.workdir / 'checkpoints'} at step {step}")
+        self._progress = float(meta.get("progress", 0.0))  # how far a time-cut run had annealed
         return step, restored["state"]["params"], restored["state"]["opt_state"]
 
     def _save(self, mngr, step: int, params, opt_state) -> None:
         import orbax.checkpoint as ocp
 
-        meta = {"train_config": dataclasses.asdict(self.cfg), "drafter_config": self.drafter.config.to_hf()}
+        meta = {"train_config": dataclasses.asdict(self.cfg), "drafter_config": self.drafter.config.to_hf(),
+                "progress": self._progress}
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
                                                 meta=ocp.args.JsonSave(meta)), force=True)
 
@@ -277,7 +280,9 @@ class Trainer:
 
         `max_seconds` (wall time of this call) ends the run early at a step boundary, validated,
         checkpointed and resumable, so a job inside a time-limited session or device lease keeps
-        what it trained; the learning-rate schedule still follows `cfg.steps`.
+        what it trained. The schedule's progress is the larger of steps done / `cfg.steps` and, with
+        `max_seconds`, the time used: a resumed run starts from the progress its checkpoint reached
+        and spreads the rest of the schedule over its own `max_seconds`.
 
         Throughput is logged as drafter positions per second: block positions carrying a loss per
         wall second of training steps (batch assembly, feature lookup or computation, the step),
@@ -301,13 +306,16 @@ class Trainer:
         total_busy, total_positions, start = 0.0, 0, step
         bar = tqdm(total=self.cfg.steps, initial=step, disable=not progress, desc="train", unit="step")
         deadline = None if max_seconds is None else time.perf_counter() + max_seconds
+        floor = self._progress  # a resumed run goes on from where the last one's schedule stood
         while step < self.cfg.steps:
             t0 = time.perf_counter()
             idx = next(indices)
-            progress = step / self.cfg.steps
+            done = max(step / self.cfg.steps, floor)
             if deadline is not None:
-                progress = max(progress, 1.0 - (deadline - t0) / max_seconds)
-            opt_state = set_learning_rate(opt_state, learning_rate(self.cfg, progress))
+                used = 1.0 - (deadline - t0) / max_seconds  # of this call's time
+                done = max(done, floor + (1.0 - floor) * used)
+            self._progress = min(done, 1.0)
+            opt_state = set_learning_rate(opt_state, learning_rate(self.cfg, self._progress))
             params, opt_state, m = train_step(params, opt_state, self.vocab, self.embed, store.get(idx),
                                               jnp.asarray(train.tokens[idx]), jnp.asarray(train.loss_mask[idx]),
                                               jax.random.fold_in(key, step), tx=self.tx, **self.static)

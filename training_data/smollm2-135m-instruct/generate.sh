@@ -13,7 +13,7 @@ for kind in greedy t07 t07s3; do
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
   prompts=$here/magpie_prompts.jsonl.gz
-  [ $kind = t07s3 ] && prompts=$here/magpie_prompts_s3.jsonl.gz  # its own 1000 self-written prompts (seed 3)
+  [ $kind = t07s3 ] && prompts=$here/magpie_prompts_s3.jsonl.gz  # its own self-written prompts (seed 3; 300 used)
   if [ -f $prompts ] && [ ! -f runs/data/$kind.jsonl.magpie.jsonl ]; then
     gunzip -c $prompts > runs/data/$kind.jsonl.magpie.jsonl
   fi

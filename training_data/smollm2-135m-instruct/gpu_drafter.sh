@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Drafter training on a lent GPU (issue 13), inside ONE device command of BUDGET seconds:
-#   1. more target-written data, alone on the GPU: two new sets generated side by side (seeds 3 and 4:
-#      other gsm8k_train / code_alpaca prompts, their committed Magpie prompts; T = 0.7 and greedy),
-#      time-boxed;
+#   1. more target-written data, alone on the GPU: two new sets generated side by side (seeds 5 and 6:
+#      other gsm8k_train / code_alpaca prompts, their committed Magpie prompts; T = 0.7 and greedy;
+#      seed 3 is generate.sh's, on CPU), time-boxed; a set already committed is not made again;
 #   2. two drafters trained side by side on the committed sets + the new ones, each stopped by
 #      --max-seconds (the learning rate anneals on wall time, so a cut run still ends annealed):
 #        a: the shipped 2-layer drafter continued (same CPU draft cost, more data),
@@ -70,6 +70,7 @@ $PY -c "import jax, flax, optax, orbax.checkpoint as o; print('jax', jax.__versi
 STOP_AT=$(( BUDGET - 75 ))  # then pack, tar and return
 DATA_S=${DATA_S:-$(( BUDGET * 30 / 100 ))}
 gen() {  # name seed temperature
+  [ -f "$here/$1.npz" ] && { echo "$1 is committed already" > "$W/logs/data-$1.log"; return; }
   local prompts=$here/magpie_prompts_s$2.jsonl.gz magpie=0
   if [ -f "$prompts" ] && [ ! -f "$W/$1.jsonl.magpie.jsonl" ]; then
     gunzip -c "$prompts" > "$W/$1.jsonl.magpie.jsonl"
@@ -86,10 +87,10 @@ from bastion_jax.train_drafter import main; sys.exit(main(sys.argv[1:]))" \
   echo "$1 exit $?" >> "$W/logs/data-$1.log"
 }
 log "data: 2 sets of up to $NUM prompts, ${DATA_S}s"
-gen t07s3 3 0.7 & gen g4 4 0.0 &
+gen t07s5 5 0.7 & gen g6 6 0.0 &
 wait
 new=()
-for name in t07s3 g4; do
+for name in t07s5 g6; do
   f=$W/$name.jsonl
   [ -s "$f" ] || continue
   # a set cut by its time box may end in a half-written line: keep the complete records
@@ -113,27 +114,35 @@ train() {  # name args...: retried with other XLA settings / a bf16 target if it
   local name=$1; shift
   local variant
   for variant in plain no-triton-gemm bf16-target; do
-    local left=$(( STOP_AT - $(elapsed) - 30 ))
+    # --max-seconds counts inside fit(); loading before it and the last validation + export after it
+    # take ~60 s more, and a hard stop at STOP_AT keeps the pack-and-return step below
+    local left=$(( STOP_AT - $(elapsed) - 60 ))
     [ "$left" -gt 40 ] || break
     local flags="" dtype=auto
     [ "$variant" = no-triton-gemm ] && flags="--xla_gpu_enable_triton_gemm=false"
     [ "$variant" = bf16-target ] && { flags="--xla_gpu_enable_triton_gemm=false"; dtype=bfloat16; }
     echo "== $name: variant $variant, ${left}s" >> "$W/logs/train-$name.log"
-    XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 $PY -m bastion_jax.train_drafter train "$@" \
-      --dtype "$dtype" --out "$W/$name-$variant" --max-seconds "$left" >> "$W/logs/train-$name.log" 2>&1 \
-      && { echo "$name-$variant" > "$W/$name.ok"; break; }
+    XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 timeout -s INT -k 10 $(( STOP_AT - $(elapsed) )) \
+      $PY -m bastion_jax.train_drafter train "$@" \
+      --dtype "$dtype" --out "$W/$name-$variant" --max-seconds "$left" >> "$W/logs/train-$name.log" 2>&1
+    echo "== $name: exit $?" >> "$W/logs/train-$name.log"
+    # a run that validated at least once has an export to bring back, even if the hard stop ended it
+    if [ -f "$W/$name-$variant/best/config.json" ] || [ -f "$W/$name-$variant/drafter/config.json" ]; then
+      echo "$name-$variant" > "$W/$name.ok"
+      break
+    fi
   done
 }
 log "training two drafters until ${STOP_AT}s"
 # The committed sets first and the new ones after, so the held-out rows are the last of the last file.
-common=(--target "$TARGET" --data "$here"/greedy.npz "$here"/t07.npz "$here"/t07s*.npz "${new[@]}" --block-size 16
+common=(--target "$TARGET" --data "$here"/greedy.npz "$here"/t07.npz "$here"/t07s*.npz "$here"/g[0-9]*.npz "${new[@]}" --block-size 16
         --seq-len 512 --anchors 64 --batch-size "$TBS" --held-out 128 --eval-every 200 --save-every 1000
         --steps "$STEPS" --no-feature-cache)
 train v7a "${common[@]}" --init bastion_jax/assets/smollm2-135m-instruct-dflash --lr 3e-4 &
 train v7b "${common[@]}" --layers 4 --init-from-target --lr 6e-4 &
 wait
 log "training done"
-for name in t07s3 g4; do
+for name in t07s5 g6; do
   [ -s "$W/$name.jsonl.magpie.jsonl" ] && gzip -c "$W/$name.jsonl.magpie.jsonl" > "$W/ret/$name.magpie.jsonl.gz"
 done
 
@@ -152,5 +161,5 @@ nvidia-smi --query-gpu=name --format=csv,noheader > "$W/ret/device.txt" 2>/dev/n
 tar cf - -C "$W" ret | split -b 15M - "$OUT/ret.tar."
 ls -la "$OUT"
 for f in "$W"/logs/*.log; do echo "== $f"; tail -c 600 "$f" | tr '\r' '\n' | tail -n 4; done
-for r in v7a v7b; do echo "== $r validation"; grep -h '"val"' "$W"/$r-*/metrics.jsonl 2>/dev/null | tail -n 4; done
+for r in v7a v7b; do echo "== $r validation"; grep -h '"val"' /dev/null "$W"/$r-*/metrics.jsonl | tail -n 4; done
 log "end"
