@@ -24,8 +24,13 @@ def calibration_model(target, drafter, draft_vocab=None, lookup: bool = True) ->
     if drafter is None:
         return f"{t}|none"
     d = model_identity(drafter.path) if drafter.path is not None else "random"
-    return (f"{t}|{d}" + (f"|draft-vocab {int(draft_vocab.ids.shape[0])}" if draft_vocab is not None else "")
-            + ("" if lookup else "|lookup off"))
+    return with_lookup(f"{t}|{d}" + (f"|draft-vocab {int(draft_vocab.ids.shape[0])}" if draft_vocab is not None
+                                     else ""), lookup)
+
+
+def with_lookup(model: str, lookup: bool) -> str:
+    """A calibration model name for steps with or without the context lookup (off: they cost less)."""
+    return model if lookup else f"{model}|lookup off"
 
 
 def calibration_path(engine, model: str):

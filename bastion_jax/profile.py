@@ -124,11 +124,12 @@ def setup(args, log=lambda msg: None) -> Setup:
     roofline peaks the flags ask for."""
     import jax.numpy as jnp
 
-    from bastion_jax.calibration import calibration_model
+    from bastion_jax.calibration import calibration_model, with_lookup
     from bastion_jax.cli import resolve_dtype
     from bastion_jax.speculative import resolve_draft_vocab
     from bastion_jax.latency import DevicePeaks
 
+    lookup = resolve_lookup(getattr(args, "lookup", "on"))  # perf_8b's own flags have no --lookup: on
     if bool(args.arch) == bool(args.target):
         raise ProfileError("give exactly one of --arch NAME (random weights) or --target PATH")
     if args.arch and args.drafter:
@@ -163,7 +164,7 @@ def setup(args, log=lambda msg: None) -> Setup:
             f"{dcfg.num_hidden_layers}-layer drafter, random {jnp.dtype(dtype).name} weights")
         target, drafter = random_models(tcfg, dcfg, dtype, args.seed)
         label = args.arch + (f"-L{args.layers}" if args.layers else "")
-        model_name = f"arch:{label}|random" + ("" if getattr(args, "lookup", "on") == "on" else "|lookup off")
+        model_name = with_lookup(f"arch:{label}|random", lookup is not None)
         draft_vocab = None
     else:
         from bastion_jax.checkpoints import load_drafter, load_target, random_drafter
@@ -181,9 +182,9 @@ def setup(args, log=lambda msg: None) -> Setup:
         label = Path(args.target).name.split(".")[0] or "target"
         draft_vocab = resolve_draft_vocab(target, drafter, getattr(args, "draft_vocab", "auto"))
         # what `generate` computes for the same pair and flags
-        model_name = calibration_model(target, drafter, draft_vocab, lookup=getattr(args, "lookup", "on") == "on")
+        model_name = calibration_model(target, drafter, draft_vocab, lookup=lookup is not None)
     engine = Engine(target, None, drafter=drafter, stop_ids=[], buckets=buckets, top_k=args.tree_top_k,
-                    draft_vocab=draft_vocab, lookup=resolve_lookup(getattr(args, "lookup", "on")))
+                    draft_vocab=draft_vocab, lookup=lookup)
     if args.peaks == "measure":
         copy_bytes = args.copy_mib << 20 if args.copy_mib else None
         log("measuring copy bandwidth and matmul rate")

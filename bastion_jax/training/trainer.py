@@ -23,7 +23,7 @@ import dataclasses
 import json
 import math
 import time
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Callable
 
@@ -74,16 +74,17 @@ class TrainConfig:
             raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
 
 
+@lru_cache(maxsize=8)  # built once per config, evaluated every step
+def schedule(cfg: TrainConfig) -> optax.Schedule:
+    """The DFlash schedule over `cfg.steps`: linear warm-up over `warmup_ratio`, cosine decay to 10%."""
+    warmup = max(1, int(round(cfg.warmup_ratio * cfg.steps)))
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), cfg.lr * 0.1)
+
+
 def learning_rate(cfg: TrainConfig, progress: float) -> float:
-    """The DFlash schedule at `progress` in [0, 1] of the run: linear warm-up over `warmup_ratio`,
-    then cosine decay to 10% of `lr`. Progress is steps done / `steps`, or, for a run with a
-    wall-time limit, the larger of that and the time used, so a run cut by time still anneals."""
-    warmup = max(1, int(round(cfg.warmup_ratio * cfg.steps))) / cfg.steps
-    progress = min(max(progress, 0.0), 1.0)
-    if progress < warmup:
-        return cfg.lr * progress / warmup
-    t = (progress - warmup) / max(1.0 - warmup, 1e-9)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t)))
+    """`schedule` at `progress` in [0, 1] of the run. Progress is steps done / `steps`, or, for a run
+    with a wall-time limit, the larger of that and the time used, so a run cut by time still anneals."""
+    return float(schedule(cfg)(min(max(progress, 0.0), 1.0) * cfg.steps))
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
