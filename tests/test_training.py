@@ -222,6 +222,17 @@ def test_max_seconds_stops_resumably_and_anneals(pair, toy_data, tmp_path, monke
     assert len(later) == 2 and max(later) < 0.15 * cfg.lr  # it goes on annealed, no jump back to the peak
 
 
+def test_a_checkpoint_of_another_layout_is_refused_in_one_line(pair, toy_data, tmp_path):
+    target, drafter = pair
+    train, _ = TokenDataset(toy_data, seq_len=32, vocab_size=target.config.vocab_size).split(4)
+    cfg = TrainConfig(steps=2, batch_size=4, seq_len=32, num_anchors=8, save_every=2)
+    Trainer(target, drafter, cfg, tmp_path, log=lambda m: None).fit(train, progress=False)
+    other = random_drafter(tiny_drafter_config(target.config, num_layers=1, block_size=BLOCK), seed=3)
+    with pytest.raises(ValueError, match="does not fit this run.*--init"):
+        Trainer(target, other, dataclasses_replace(cfg, steps=4), tmp_path, log=lambda m: None).fit(train,
+                                                                                                progress=False)
+
+
 def dataclasses_replace(cfg, **kw):
     import dataclasses
 

@@ -230,8 +230,13 @@ class Trainer:
         if step is None:
             return 0, params, opt_state
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
-        restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                              meta=ocp.args.JsonRestore()))
+        try:
+            restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                  meta=ocp.args.JsonRestore()))
+        except (ValueError, KeyError, TypeError) as e:  # another drafter or optimizer layout
+            raise ValueError(f"the checkpoint at step {step} in {self.workdir / 'checkpoints'} does not fit this "
+                             "run (another drafter shape, or the optimizer layout of runs made before 2026-11-26); "
+                             f"start a new --out from its export with --init ({type(e).__name__})") from None
         meta = restored["meta"]
         if meta.get("train_config") != dataclasses.asdict(self.cfg):
             self.log(f"note: resuming step {step} with a different training config than the one saved")
