@@ -1,0 +1,286 @@
+"""How much speed the draft gate leaves on the table: bastion's choices replayed against a hindsight oracle.
+
+    python -m benchmarks.gate_headroom                       # default pair, 8 prompts per set
+    python -m benchmarks.gate_headroom --drafter runs/v8/best --max-prompts 16 --name my-run
+
+For every position t of each prompt's AR greedy answer it drafts the tree bastion would draft at t
+and measures how much of it verification would accept at each bucket, against the known greedy
+continuation, so nothing is verified on the target. One target pass (the tapped features) and one
+drafter pass with every position as a block anchor (`training.forward.drafter_blocks`, the same
+drafter math as decoding) serve a whole answer. With the engine's calibrated step prices, policies
+then replay on that table:
+
+  ar         a plain AR step per token
+  fixed:b    a tree of b nodes every step
+  gate       bastion: `DraftGate` and the controller as `TreeLoop` runs them (draft or hold on root
+             steps, verify or drop each tree, the bucket by estimated tokens/s), lookup off
+  oracle     hindsight: dynamic programming over the same choices (hold, draft, verify bucket b,
+             drop the tree) knowing every tree's outcome; an upper bound no causal policy reaches
+
+Reported per prompt set: tau and the predicted tokens/s over AR. The context lookup is off (the
+drafter's trees alone), and the table's acceptance agrees with the engine's fixed:b tau to within a
+few % (the engine's drafter context comes from verify forwards, not one causal pass).
+Writes benchmarks/results/<name>.json and .md with device, date and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from bastion_jax.acceptance import STANDARD_SETS, PromptError, read_prompts, resolve_prompt_file
+from bastion_jax.cli import fail, stderr_log
+from benchmarks.report import commit
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gate_headroom", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", nargs="+", default=["gsm8k_test", "math500", "humaneval", "mbpp", "mt_bench"],
+                   help=f"standard sets ({', '.join(STANDARD_SETS)}) or JSONL(.gz) files")
+    p.add_argument("--max-prompts", type=int, default=8, help="prompts per set (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--drafter", help="drafter dir (default: the shipped drafter)")
+    p.add_argument("--buckets", default="1,4,8,16,32,64")
+    p.add_argument("--fixed", default="4,8,16", help="fixed:N sizes to replay (must be buckets)")
+    p.add_argument("--name", help="results file name (default <backend>-smollm2-gate-headroom)")
+    p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+# -- the acceptance table ---------------------------------------------------------------------------
+
+def acceptance_table(trees, buckets: tuple[int, ...], slots: int, prompt: list[int], answer: list[int]
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """(accepted [T, n_buckets], surrogate [T, n_buckets]) of the tree drafted at each answer position;
+    `trees` is `tree_pass`'s function and `slots` the anchors it takes (at least the answer's length)."""
+    import jax
+    import jax.numpy as jnp
+
+    seq = np.asarray(prompt + answer, np.int32)
+    n = len(answer)
+    anchors = np.arange(len(prompt) - 1, len(seq) - 1, dtype=np.int32)  # the root of the step producing answer[t]
+    # Padded shapes (a multiple of 256 tokens, the answer budget of anchors) compile once per set.
+    s = -(-len(seq) // 256) * 256
+    padded = np.zeros(s, np.int32)
+    padded[:len(seq)] = seq
+    anc = np.full(max(n, slots), anchors[-1], np.int32)
+    anc[:n] = anchors
+    tree = trees(jnp.asarray(padded)[None], jnp.asarray(anc))
+    tokens, parents, depths, log_probs = (np.asarray(x)[:n] for x in jax.device_get(
+        (tree.tokens, tree.parents, tree.depths, tree.log_probs)))  # [T, nodes] each
+    # Node j is accepted when its parent is and it equals the greedy token at its depth (parents
+    # precede children in a best-first tree).
+    cont = np.full((n, tokens.shape[1] + 1), -2, np.int64)
+    for t in range(n):
+        rest = seq[anchors[t] + 1:][: tokens.shape[1]]
+        cont[t, :len(rest)] = rest
+    ok = np.zeros(tokens.shape, bool)
+    ok[:, 0] = True
+    rows = np.arange(n)
+    for j in range(1, tokens.shape[1]):
+        want = cont[rows, np.maximum(depths[:, j] - 1, 0)]
+        ok[:, j] = ok[rows, parents[:, j]] & (tokens[:, j] == want)
+    accepted = np.stack([np.where(ok[:, :b], depths[:, :b], 0).max(axis=1) for b in buckets], axis=1)
+    surrogate = np.stack([np.exp(log_probs[:, 1:b]).sum(axis=1) for b in buckets], axis=1)
+    return accepted, surrogate
+
+
+def tree_pass(engine):
+    """The jitted pass tokens [1, S], anchors [N] -> the best-first tree (engine.top_k wide, max bucket
+    nodes) drafted at every anchor: target features, then drafter blocks at all anchors at once."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from bastion_jax.training.forward import drafter_blocks, target_features
+    from bastion_jax.tree import build_tree
+
+    target, drafter, vocab = engine.target, engine.drafter, engine.draft_vocab
+    tm, dm = nnx.merge(target.graphdef, target.state), nnx.merge(drafter.graphdef, drafter.state)
+    cfg = drafter.config
+    taps, block, nodes = tuple(cfg.target_layer_ids), cfg.block_size, max(engine.buckets)
+
+    @jax.jit
+    def trees(tokens, anchors):  # tokens [1, S], anchors [N]
+        feats = target_features(tm, tokens, taps, target.dtype)  # [1, S, F]
+        k = jnp.arange(block)
+        ids = jnp.where(k == 0, tokens[0, anchors][:, None], cfg.mask_token_id)  # [N, B]
+        hidden = drafter_blocks(dm, tm.embed_tokens(ids)[None], (anchors[:, None] + k)[None], anchors[None],
+                                jnp.ones((1, anchors.shape[0]), bool), feats)[0, :, 1:]  # [N, B-1, h]
+        if vocab is not None:
+            logits = jnp.einsum("nkh,vh->nkv", hidden.astype(vocab.weight.dtype), vocab.weight,
+                                preferred_element_type=jnp.float32)  # [N, B-1, draft vocab]
+        else:
+            logits = tm.logits(hidden)
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        ids_map = vocab.ids if vocab is not None else None
+        return jax.vmap(lambda r, l: build_tree(r, l, nodes, engine.top_k, ids_map))(tokens[0, anchors], lp)
+
+    return trees
+
+
+# -- policies replayed on the table ----------------------------------------------------------------
+
+def replay_fixed(acc, prices, b_index) -> tuple[float, int]:
+    """(seconds, steps) of fixed:b over one answer."""
+    t, secs, steps = 0, 0.0, 0
+    while t < len(acc):
+        secs += prices.tree(b_index, t)
+        steps += 1
+        t += int(acc[t, b_index]) + 1
+    return secs, steps
+
+
+def replay_gate(acc, sur, prices, engine) -> tuple[float, int]:
+    """(seconds, steps) of bastion's choices: `TreeLoop._dispatch_next` without the lookup."""
+    from bastion_jax.controller import Controller, Policy
+    from bastion_jax.draft_gate import DraftGate
+    from bastion_jax.tree_decoding import DRAFT, HOLD, pending_slots
+
+    buckets, latency = engine.buckets, prices.latency
+    gate = DraftGate(buckets, latency.step_time, pending_slots(engine.block_size), engine.block_size)
+    ctl = Controller(Policy("bastion"), buckets, latency)
+    one = np.ones(1, bool)
+    t, secs, steps, holding = 0, 0.0, 0, False
+    gate.observe_tree(sur[0])
+    while t < len(acc):
+        c = prices.context(t)
+        steps += 1
+        if not holding:
+            curve = sur[t][None] * gate.rho
+            if gate.use_tree(c, sur[t]) and ctl.choose(curve, c, one, record=False) != 1:
+                i = buckets.index(ctl.choose(curve, c, one, record=False))
+                secs += prices.tree(i, t)
+                gate.observe_verify(buckets[i], float(sur[t, i]), float(acc[t, i]))
+                gate.record(DRAFT, int(acc[t, i]) + 1)
+                t += int(acc[t, i]) + 1
+                if t < len(acc):
+                    gate.observe_tree(sur[t])
+                continue
+        then = gate.root_then(c, None)
+        secs += prices.root(then != HOLD, t)  # a flush runs the drafter over the held tokens too
+        gate.record(then, 1)
+        t += 1
+        holding = then != DRAFT
+        if not holding and t < len(acc):
+            gate.observe_tree(sur[t])
+    return secs, steps
+
+
+def replay_oracle(acc, prices) -> float:
+    """Seconds of the best sequence of choices in hindsight (a tree is in hand after a drafting step)."""
+    n, nb = acc.shape
+    hold = np.zeros(n + 1)  # seconds to finish from t holding no tree
+    tree = np.zeros(n + 1)  # ... with the tree drafted at t in hand
+    for t in range(n - 1, -1, -1):
+        hold[t] = min(prices.root(False, t) + hold[t + 1], prices.root(True, t) + tree[t + 1])
+        tree[t] = min([hold[t]] + [prices.tree(i, t) + tree[min(t + int(acc[t, i]) + 1, n)] for i in range(1, nb)])
+    return float(tree[0])
+
+
+class Prices:
+    """Step seconds from the engine's latency model at the context of answer position t."""
+
+    def __init__(self, latency, buckets, prompt_len: int):
+        self.latency, self.buckets, self.prompt_len = latency, buckets, prompt_len
+
+    def context(self, t: int) -> int:
+        return self.prompt_len + t
+
+    def root(self, draft: bool, t: int) -> float:
+        return self.latency.step_time(0, self.context(t), draft)
+
+    def tree(self, i: int, t: int) -> float:
+        b = self.buckets[i]
+        return self.root(True, t) if b == 1 else self.latency.step_time(b, self.context(t), True)
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log = stderr_log(args.quiet)
+    from bastion_jax import default_drafter_dir, default_target_dir
+    from bastion_jax.calibration import calibration_model, load_or_calibrate
+    from bastion_jax.checkpoints import CheckpointError, load_drafter, load_target
+    from bastion_jax.controller import PolicyError, parse_buckets
+    from bastion_jax.engine import Engine, GenerationError
+    from bastion_jax.sampling import SamplingConfig
+    from bastion_jax.speculative import resolve_draft_vocab
+    from bastion_jax.text import encode_prompt, load_tokenizer
+
+    try:
+        buckets = parse_buckets(args.buckets)
+        fixed = [int(x) for x in args.fixed.split(",") if x.strip()]
+        if not set(fixed) <= set(buckets):
+            raise PolicyError(f"--fixed {args.fixed}: every size must be one of --buckets {args.buckets}")
+        target = load_target(default_target_dir(verbose=not args.quiet))
+        drafter = load_drafter(args.drafter or default_drafter_dir(), target.config, target.dtype)
+        tokenizer = load_tokenizer(target)
+        engine = Engine(target, tokenizer, drafter=drafter, buckets=buckets, lookup=None,
+                        draft_vocab=resolve_draft_vocab(target, drafter, "auto"))
+        model = calibration_model(target, drafter, engine.draft_vocab, lookup=False)
+        load_or_calibrate(engine, model, 1024, SamplingConfig(), False, log)
+        trees = tree_pass(engine)
+        sets = {Path(resolve_prompt_file(s)).name.split(".")[0]: read_prompts(resolve_prompt_file(s), args.max_prompts)
+                for s in args.prompts}
+    except (CheckpointError, PolicyError, PromptError, GenerationError, ValueError) as e:
+        return fail(e)
+
+    policies = ["ar"] + [f"fixed:{b}" for b in fixed] + ["gate", "oracle"]
+    report: dict[str, dict[str, dict[str, float]]] = {}
+    for name, texts in sets.items():
+        ids = [encode_prompt(tokenizer, p) for p in texts]
+        answers = engine.generate(ids, max_new_tokens=args.max_new_tokens, mode="ar").tokens
+        tot = {p: [0.0, 0] for p in policies}  # seconds, steps
+        tokens = 0
+        for prompt, answer in zip(ids, answers):
+            if not answer:
+                continue
+            acc, sur = acceptance_table(trees, buckets, args.max_new_tokens, prompt, answer)
+            prices = Prices(engine.latency, buckets, len(prompt))
+            runs = {"ar": (sum(prices.root(False, t) for t in range(len(answer))), len(answer)),
+                    "gate": replay_gate(acc, sur, prices, engine),
+                    "oracle": (replay_oracle(acc, prices), 0)}
+            runs.update({f"fixed:{b}": replay_fixed(acc, prices, buckets.index(b)) for b in fixed})
+            for p, (secs, steps) in runs.items():
+                tot[p][0] += secs
+                tot[p][1] += steps
+            tokens += len(answer)
+        report[name] = {p: {"tau": tokens / s if s else float("nan"), "speed_over_ar": tot["ar"][0] / secs}
+                        for p, (secs, s) in tot.items()}
+        log(f"{name}: " + ", ".join(f"{p} {r['speed_over_ar']:.2f}x" for p, r in report[name].items()))
+
+    meta = {"device": str(__import__("jax").devices()[0].device_kind), "date": datetime.date.today().isoformat(),
+            "commit": commit(), "drafter": str(args.drafter or "shipped"), "max_prompts": args.max_prompts,
+            "max_new_tokens": args.max_new_tokens, "buckets": list(buckets)}
+    name = args.name or f"{__import__('jax').default_backend()}-smollm2-gate-headroom"
+    lines = [f"# {name}", "", f"{meta['device']}, {meta['date']}, commit {meta['commit']}, drafter {meta['drafter']}, "
+             f"{args.max_prompts} prompts per set, {args.max_new_tokens} new tokens, T=0, lookup off. Predicted "
+             "tokens/s over AR from the calibrated step prices (tau in brackets; the oracle's tau is not a step "
+             "count).", "", "| set | " + " | ".join(policies) + " |", "|---" * (len(policies) + 1) + "|"]
+    for set_name, rows in report.items():
+        lines.append(f"| {set_name} | " + " | ".join(
+            f"{rows[p]['speed_over_ar']:.2f}" + (f" ({rows[p]['tau']:.2f})" if p != "oracle" else "")
+            for p in policies) + " |")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "sets": report}, indent=2) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    if not args.quiet:
+        print("\n".join(lines))
+        print(f"wrote {out / name}.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
