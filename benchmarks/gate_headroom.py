@@ -60,14 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def acceptance_table(trees, buckets: tuple[int, ...], slots: int, prompt: list[int], answer: list[int]
                      ) -> tuple[np.ndarray, np.ndarray]:
-    """(accepted [T, n_buckets], surrogate [T, n_buckets]) of the tree drafted at each answer position;
-    `trees` is `tree_pass`'s function and `slots` the anchors it takes (at least the answer's length)."""
+    """(accepted [T, n_buckets], surrogate [T, n_buckets]) of the trees a decode step may verify, T =
+    len(answer) - 1: row t is the tree rooted at answer[t] (the prefill emits answer[0], and each
+    step's tree grows from the last committed token). `trees` is `tree_pass`'s function and `slots`
+    the anchors it takes (at least T)."""
     import jax
     import jax.numpy as jnp
 
     seq = np.asarray(prompt + answer, np.int32)
-    n = len(answer)
-    anchors = np.arange(len(prompt) - 1, len(seq) - 1, dtype=np.int32)  # the root of the step producing answer[t]
+    n = len(answer) - 1
+    anchors = np.arange(len(prompt), len(seq) - 1, dtype=np.int32)  # answer[t]'s position
     # Padded shapes (a multiple of 256 tokens, the answer budget of anchors) compile once per set.
     s = -(-len(seq) // 256) * 256
     padded = np.zeros(s, np.int32)
@@ -194,7 +196,7 @@ class Prices:
         self.latency, self.buckets, self.prompt_len = latency, buckets, prompt_len
 
     def context(self, t: int) -> int:
-        return self.prompt_len + t
+        return self.prompt_len + 1 + t  # row t's root is answer[t]
 
     def root(self, draft: bool, t: int) -> float:
         return self.latency.step_time(0, self.context(t), draft)
@@ -244,18 +246,18 @@ def main(argv: list[str] | None = None) -> int:
         tot = {p: [0.0, 0] for p in policies}  # seconds, steps
         tokens = 0
         for prompt, answer in zip(ids, answers):
-            if not answer:
+            if len(answer) < 2:
                 continue
             acc, sur = acceptance_table(trees, buckets, args.max_new_tokens, prompt, answer)
             prices = Prices(engine.latency, buckets, len(prompt))
-            runs = {"ar": (sum(prices.root(False, t) for t in range(len(answer))), len(answer)),
+            runs = {"ar": (sum(prices.root(False, t) for t in range(len(acc))), len(acc)),
                     "gate": replay_gate(acc, sur, prices, engine),
                     "oracle": (replay_oracle(acc, prices), 0)}
             runs.update({f"fixed:{b}": replay_fixed(acc, prices, buckets.index(b)) for b in fixed})
             for p, (secs, steps) in runs.items():
                 tot[p][0] += secs
                 tot[p][1] += steps
-            tokens += len(answer)
+            tokens += len(acc)  # (answer[0] comes from the prefill under every policy)
         report[name] = {p: {"tau": tokens / s if s else float("nan"), "speed_over_ar": tot["ar"][0] / secs}
                         for p, (secs, s) in tot.items()}
         log(f"{name}: " + ", ".join(f"{p} {r['speed_over_ar']:.2f}x" for p, r in report[name].items()))

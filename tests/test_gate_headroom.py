@@ -1,0 +1,86 @@
+"""benchmarks/gate_headroom: the counterfactual acceptance table against the engine's own decoding, and
+the policy replays against brute force."""
+
+import numpy as np
+import pytest
+
+from benchmarks import gate_headroom as gh
+
+BUCKETS = (1, 4, 8)
+
+
+class UnitPrices:
+    """AR 1.0, a draft 0.25, a tree of b nodes 1.0 + 0.05 b (+ the draft): what `Prices` offers."""
+
+    def context(self, t):
+        return t
+
+    def root(self, draft, t):
+        return 1.0 + 0.25 * draft
+
+    def tree(self, i, t):
+        return self.root(True, t) if BUCKETS[i] == 1 else 1.25 + 0.05 * BUCKETS[i]
+
+
+def brute_oracle(acc, prices, t=0, tree=True):
+    """Every sequence of choices, recursively (tiny answers only)."""
+    n = len(acc)
+    if t >= n:
+        return 0.0
+    best = min(prices.root(False, t) + brute_oracle(acc, prices, t + 1, False),
+               prices.root(True, t) + brute_oracle(acc, prices, t + 1, True))
+    if tree:
+        for i in range(1, len(BUCKETS)):
+            best = min(best, prices.tree(i, t) + brute_oracle(acc, prices, t + int(acc[t, i]) + 1, True))
+    return best
+
+
+def test_replays_against_brute_force():
+    rng = np.random.default_rng(0)
+    prices = UnitPrices()
+    for _ in range(20):
+        n = int(rng.integers(1, 9))
+        acc = np.sort(rng.integers(0, 4, size=(n, len(BUCKETS))), axis=1)  # nested trees: more nodes, no fewer accepted
+        acc[:, 0] = 0
+        oracle = gh.replay_oracle(acc, prices)
+        assert oracle == pytest.approx(brute_oracle(acc, prices))
+        # fixed:b, stepped by hand
+        t, secs, steps = 0, 0.0, 0
+        while t < n:
+            secs, steps, t = secs + prices.tree(2, t), steps + 1, t + acc[t, 2] + 1
+        assert gh.replay_fixed(acc, prices, 2) == (pytest.approx(secs), steps)
+        assert oracle <= min(n * 1.0, secs) + 1e-9  # never slower than AR steps or any fixed size
+    # Nothing ever accepted: the oracle never drafts.
+    assert gh.replay_oracle(np.zeros((5, 3), int), prices) == pytest.approx(5.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    from bastion_jax.checkpoints import convert, load_target, random_drafter
+    from bastion_jax.engine import Engine
+    from bastion_jax.presets import tiny_drafter_config
+    from bastion_jax.testing import save_tiny_hf
+
+    root = tmp_path_factory.mktemp("gh")
+    save_tiny_hf("qwen3", root / "hf", seed=5)
+    convert(root / "hf", root / "ckpt", dtype="float32")
+    target = load_target(root / "ckpt")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=6), seed=1)
+    return Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4, lookup=None)
+
+
+def test_table_steps_equal_the_engines_fixed_steps(tiny_engine):
+    """Replaying fixed:b on the table takes exactly the steps the engine's fixed:b decoding took."""
+    prompts = [[5, 9, 11, 40, 41], [7, 3, 20], [60, 61, 62, 63]]
+    answers = tiny_engine.generate(prompts, max_new_tokens=24, mode="ar").tokens
+    trees = gh.tree_pass(tiny_engine)
+    tables = [gh.acceptance_table(trees, BUCKETS, 24, p, a) for p, a in zip(prompts, answers)]
+    accepted = sum(int(acc[:, 1:].sum()) for acc, _ in tables)
+    assert accepted > 0  # the random drafter's trees do meet the greedy text sometimes
+    for b in (4, 8):
+        res = tiny_engine.generate(prompts, max_new_tokens=24, mode=f"fixed:{b}")
+        assert res.tokens == answers
+        steps = sum(gh.replay_fixed(acc, UnitPrices(), BUCKETS.index(b))[1] for acc, _ in tables)
+        assert steps == res.stats.row_steps
+    for acc, sur in tables:
+        assert (np.diff(acc, axis=1) >= 0).all() and (np.diff(sur, axis=1) >= -1e-6).all()  # nested trees
