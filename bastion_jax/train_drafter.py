@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--matmul-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="drafter dense-layer products: bfloat16 operands accumulated in float32 (default; "
                    "master weights, norms and softmax stay float32) or float32 throughout")
+    t.add_argument("--distill", type=float, default=0.0, metavar="W",
+                   help="mix in soft labels with weight W in [0, 1]: the target's own next-token law at each "
+                   "label (its logits over the loss vocabulary), as (1 - W) * hard + W * soft cross-entropy "
+                   "(default 0: the hard labels alone)")
     t.add_argument("--no-feature-cache", action="store_true", help="recompute target features every step "
                    "instead of keeping them under OUT/features (for data seen only once)")
     t.add_argument("--reuse-features", nargs="+", default=[], metavar="DIR",
@@ -203,7 +207,8 @@ def run_train(args, target, log) -> None:
                       max_grad_norm=args.max_grad_norm, gamma=args.gamma, seed=args.seed, log_every=args.log_every,
                       save_every=args.save_every, eval_every=args.eval_every,
                       draft_vocab=draft_vocab_size(args.draft_vocab, target.config.vocab_size),
-                      matmul_dtype=args.matmul_dtype, cache_features=not args.no_feature_cache)
+                      matmul_dtype=args.matmul_dtype, cache_features=not args.no_feature_cache,
+                      distill=args.distill)
     data = TokenDataset.from_files(args.data, cfg.seq_len, target.config.vocab_size)
     train, val = data.split(args.held_out)
     if args.init:

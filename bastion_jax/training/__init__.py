@@ -3,7 +3,7 @@
 from bastion_jax.training.data import (DataError, TokenDataset, batch_indices, check_not_benchmark, file_prompts,
                                        stdlib_prompts)
 from bastion_jax.training.features import FeatureStore
-from bastion_jax.training.forward import drafter_blocks, matmul, target_features
+from bastion_jax.training.forward import drafter_blocks, matmul, target_features, teacher_logits
 from bastion_jax.training.objective import (Blocks, Metrics, Objective, block_loss, default_gamma, make_blocks,
                                             restrict_vocab, sample_anchors)
 from bastion_jax.training.trainer import Trainer, TrainConfig, blocks_forward, optimizer, train_step
@@ -14,4 +14,4 @@ __all__ = ["Blocks", "DataError", "FeatureStore", "LossVocab", "Metrics", "Objec
            "Trainer", "VocabError", "batch_indices", "block_loss", "blocks_forward", "check_not_benchmark",
            "default_gamma", "drafter_blocks", "file_prompts", "init_from_target", "load_ranking", "loss_vocab",
            "make_blocks", "matmul", "optimizer", "rank_vocab", "restrict_vocab", "sample_anchors", "save_ranking",
-           "stdlib_prompts", "target_features", "train_step"]
+           "stdlib_prompts", "target_features", "teacher_logits", "train_step"]

@@ -120,3 +120,18 @@ def drafter_blocks(drafter, block_emb: jax.Array, positions: jax.Array, anchors:
         x = x + _linear(mlp.down_proj, ACTIVATIONS[mlp.act](_linear(mlp.gate_proj, v, dtype))
                         * _linear(mlp.up_proj, v, dtype), dtype)
     return drafter.norm(x).reshape(b, n, blk, h)
+
+
+def teacher_logits(final: jax.Array, positions: jax.Array, head: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """The target's logits for the label of every drafted slot: slot k of a block at anchor p predicts
+    x_{p+k}, which the target predicts from position p+k-1 (its final normed hidden state there).
+
+    final: [b, S, h] final normed target hidden states; positions: [b, N, B] the blocks' positions
+    p..p+B-1; head: [n_vocab, h] the loss vocabulary's LM-head rows. Returns [b, N, B-1, n_vocab]
+    float32 (slots past the sequence read its last position; their labels carry no weight)."""
+    b, s, h = final.shape
+    n, blk = positions.shape[1], positions.shape[2]
+    logits = matmul(final, head, dtype)  # [b, S, n_vocab]: each position once, however many blocks read it
+    prev = jnp.minimum(positions[:, :, :-1], s - 1).reshape(b, n * (blk - 1))  # [b, N*(B-1)]
+    out = jnp.take_along_axis(logits, prev[:, :, None], axis=1)  # [b, N*(B-1), n_vocab]
+    return jax.lax.stop_gradient(out.reshape(b, n, blk - 1, -1))

@@ -30,6 +30,11 @@ class Objective:
     num_anchors: int  # blocks per sequence (fewer valid ones are padded and carry no loss)
     gamma: float
     mask_token_id: int
+    # Weight of the soft labels: the target's own next-token law at each label (its logits at the
+    # label's previous position, over the loss vocabulary), mixed with the hard label's cross-entropy
+    # as (1 - distill) * hard + distill * soft. The hard label of sampled text is one draw of that
+    # law; the law itself says what else the target would have accepted.
+    distill: float = 0.0
 
 
 class Blocks(NamedTuple):
@@ -105,10 +110,14 @@ class Metrics(NamedTuple):
     positions: jax.Array  # block positions that carry a loss (nonzero weight): the throughput unit
 
 
-def block_loss(logits: jax.Array, blocks: Blocks) -> Metrics:
-    """logits: [b, N, B-1, vocab] fp32 for slots 1..B-1 (vocab: the loss vocabulary's rows)."""
+def block_loss(logits: jax.Array, blocks: Blocks, teacher: jax.Array | None = None, distill: float = 0.0) -> Metrics:
+    """logits: [b, N, B-1, vocab] fp32 for slots 1..B-1 (vocab: the loss vocabulary's rows); teacher:
+    the target's logits for the same slots over the same rows (soft labels, weight `distill`)."""
     labels = jnp.maximum(blocks.labels, 0)  # out-of-vocabulary labels (-1) carry weight 0
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # [b, N, B-1]
+    if teacher is not None and distill > 0:
+        soft = optax.softmax_cross_entropy(logits, jax.nn.softmax(jax.lax.stop_gradient(teacher), axis=-1))
+        ce = (1.0 - distill) * ce + distill * soft
     total = jnp.sum(blocks.weights)
     loss = jnp.sum(ce * blocks.weights) / jnp.maximum(total, 1e-6)
     correct = (jnp.argmax(logits, axis=-1) == blocks.labels) & blocks.real  # [b, N, B-1]

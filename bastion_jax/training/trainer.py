@@ -36,7 +36,7 @@ from flax import nnx
 from bastion_jax.checkpoints import LoadedDrafter, Target
 from bastion_jax.training.data import TokenDataset, batch_indices
 from bastion_jax.training.features import FeatureStore, target_fingerprint
-from bastion_jax.training.forward import drafter_blocks, matmul, target_features
+from bastion_jax.training.forward import drafter_blocks, matmul, target_features, teacher_logits
 from bastion_jax.training.objective import (Blocks, Metrics, Objective, block_loss, default_gamma, make_blocks,
                                             restrict_vocab, sample_anchors)
 from bastion_jax.training.vocab import LossVocab, load_ranking, loss_vocab, rank_vocab, save_ranking
@@ -62,6 +62,7 @@ class TrainConfig:
     draft_vocab: int = 0  # loss over the N most frequent tokens of the ranking (0: the full vocabulary)
     matmul_dtype: str = "float32"  # "bfloat16": dense-layer products in bf16, accumulated in float32
     cache_features: bool = True  # keep target features under workdir/features (computed once per sequence)
+    distill: float = 0.0  # weight of the target's soft labels in the loss (`Objective.distill`)
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1:
@@ -70,6 +71,8 @@ class TrainConfig:
             raise ValueError(f"num_anchors must be in [1, seq_len), got {self.num_anchors} for seq_len {self.seq_len}")
         if self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be >= 0 (0 = the full vocabulary), got {self.draft_vocab}")
+        if not 0.0 <= self.distill <= 1.0:
+            raise ValueError(f"distill must be in [0, 1], got {self.distill}")
         if self.matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
 
@@ -115,10 +118,17 @@ def blocks_forward(drafter, embed: jax.Array, features: jax.Array, tokens: jax.A
 
 
 def _loss(params, drafter_def, vocab: LossVocab, embed, features, tokens, loss_mask, key, obj, matmul_dtype):
+    """features: [b, S, F] the drafter's taps, followed (with `obj.distill`) by the target's final
+    normed hidden states [b, S, h], the soft labels' source."""
     drafter = nnx.merge(drafter_def, params)
+    final = None
+    if obj.distill:
+        h = embed.shape[-1]
+        features, final = features[..., :-h], features[..., -h:]
     hidden, blocks = blocks_forward(drafter, embed, features, tokens, loss_mask, key, obj, matmul_dtype)
     logits = matmul(hidden, vocab.head, jnp.dtype(matmul_dtype))  # [b, N, B-1, n_vocab] float32
-    metrics = block_loss(logits, restrict_vocab(blocks, vocab.index))
+    teacher = None if final is None else teacher_logits(final, blocks.positions, vocab.head, jnp.dtype(matmul_dtype))
+    metrics = block_loss(logits, restrict_vocab(blocks, vocab.index), teacher, obj.distill)
     return metrics.loss, metrics
 
 
@@ -187,7 +197,8 @@ class Trainer:
         d = self.drafter.config
         self.drafter.config.check_pair(self.target.config)
         self.obj = Objective(block_size=d.block_size, num_anchors=self.cfg.num_anchors,
-                             gamma=self.cfg.gamma or default_gamma(d.block_size), mask_token_id=d.mask_token_id)
+                             gamma=self.cfg.gamma or default_gamma(d.block_size), mask_token_id=d.mask_token_id,
+                             distill=self.cfg.distill)
         self.tx = optimizer(self.cfg)
         self.static = dict(drafter_def=self.drafter.graphdef, obj=self.obj, matmul_dtype=self.cfg.matmul_dtype)
         self.embed = self.target.state["embed_tokens"]["weight"][...]
@@ -207,6 +218,8 @@ class Trainer:
     def feature_store(self, data: TokenDataset, name: str) -> FeatureStore:
         """Target features of `data`'s rows: cached under workdir/features, or computed on every use."""
         taps = tuple(self.drafter.config.target_layer_ids)
+        if self.cfg.distill:  # the last layer's tap is the final normed hidden state (soft labels)
+            taps += (self.target.config.num_hidden_layers - 1,)
         compute = partial(self._compute_features, taps=taps)
         keys = dict(taps=taps, target=target_fingerprint(self.target))
         directory = self.workdir / "features" if self.cfg.cache_features else None
