@@ -8,12 +8,13 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07 t07s3; do
+for kind in greedy t07 t07s3 t07s4; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
   prompts=$here/magpie_prompts.jsonl.gz
   [ $kind = t07s3 ] && prompts=$here/magpie_prompts_s3.jsonl.gz  # its own self-written prompts (seed 3; 300 used)
+  [ $kind = t07s4 ] && prompts=$here/magpie_prompts_s4.jsonl.gz  # likewise (seed 4)
   if [ -f $prompts ] && [ ! -f runs/data/$kind.jsonl.magpie.jsonl ]; then
     gunzip -c $prompts > runs/data/$kind.jsonl.magpie.jsonl
   fi
@@ -28,3 +29,7 @@ python -m bastion_jax.train_drafter pack --data runs/data/t07.jsonl --out $here/
 python -m bastion_jax.train_drafter data --out runs/data/t07s3.jsonl --num 3200 --seed 3 --temperature 0.7 \
   ${common/--magpie 1000/--magpie 300}
 python -m bastion_jax.train_drafter pack --data runs/data/t07s3.jsonl --out $here/t07s3.npz --vocab-size 49152
+# A fourth set, made the same way with seed 4 and its own Magpie prompts (magpie_prompts_s4.jsonl.gz).
+python -m bastion_jax.train_drafter data --out runs/data/t07s4.jsonl --num 3200 --seed 4 --temperature 0.7 \
+  ${common/--magpie 1000/--magpie 300}
+python -m bastion_jax.train_drafter pack --data runs/data/t07s4.jsonl --out $here/t07s4.npz --vocab-size 49152
