@@ -3,7 +3,8 @@
 #   1. more target-written data, alone on the GPU: two new sets generated side by side (seeds 5 and 6:
 #      other gsm8k_train / code_alpaca prompts, their committed Magpie prompts; T = 0.7 and greedy;
 #      seed 3 is generate.sh's, on CPU), time-boxed; a set already committed is not made again;
-#   2. two drafters trained side by side on the committed sets + the new ones, each stopped by
+#   2. two drafters trained side by side on the committed sets + the new ones, with soft labels
+#      (--distill 0.5, as drafter v8) and seq_len 384 (the sets average ~255 tokens), each stopped by
 #      --max-seconds (the learning rate anneals on wall time, so a cut run still ends annealed):
 #        a: the shipped 2-layer drafter continued (same CPU draft cost, more data),
 #        b: a 4-layer drafter from the target's top layers (the "aim higher");
@@ -136,10 +137,10 @@ train() {  # name args...: retried with other XLA settings / a bf16 target if it
 log "training two drafters until ${STOP_AT}s"
 # The committed sets first and the new ones after, so the held-out rows are the last of the last file.
 common=(--target "$TARGET" --data "$here"/greedy.npz "$here"/t07.npz "$here"/t07s*.npz "$here"/g[0-9]*.npz "${new[@]}" --block-size 16
-        --seq-len 512 --anchors 64 --batch-size "$TBS" --held-out 128 --eval-every 200 --save-every 1000
+        --seq-len 384 --anchors 64 --batch-size "$TBS" --distill 0.5 --held-out 128 --eval-every 200 --save-every 1000
         --steps "$STEPS" --no-feature-cache)
-train v7a "${common[@]}" --init bastion_jax/assets/smollm2-135m-instruct-dflash --lr 3e-4 &
-train v7b "${common[@]}" --layers 4 --init-from-target --lr 6e-4 &
+train v9a "${common[@]}" --init bastion_jax/assets/smollm2-135m-instruct-dflash --lr 3e-4 &
+train v9b "${common[@]}" --layers 4 --init-from-target --lr 6e-4 &
 wait
 log "training done"
 for name in t07s5 g6; do
@@ -147,7 +148,7 @@ for name in t07s5 g6; do
 done
 
 # -- 3. what comes back -------------------------------------------------------------------------------
-for r in v7a v7b; do
+for r in v9a v9b; do
   [ -f "$W/$r.ok" ] || continue
   run=$W/$(cat "$W/$r.ok")
   echo "$r: $run" >> "$W/ret/runs.txt"
@@ -161,5 +162,5 @@ nvidia-smi --query-gpu=name --format=csv,noheader > "$W/ret/device.txt" 2>/dev/n
 tar cf - -C "$W" ret | split -b 15M - "$OUT/ret.tar."
 ls -la "$OUT"
 for f in "$W"/logs/*.log; do echo "== $f"; tail -c 600 "$f" | tr '\r' '\n' | tail -n 4; done
-for r in v7a v7b; do echo "== $r validation"; grep -h '"val"' /dev/null "$W"/$r-*/metrics.jsonl | tail -n 4; done
+for r in v9a v9b; do echo "== $r validation"; grep -h '"val"' /dev/null "$W"/$r-*/metrics.jsonl | tail -n 4; done
 log "end"
