@@ -103,6 +103,15 @@ class StepOutput:
     count: jax.Array  # [b] accepted + 1
 
 
+def head_logits(target, hidden: jax.Array, draft_vocab: Optional[DraftVocab] = None) -> jax.Array:
+    """float32 logits of drafter hidden states [..., h]: the target's LM head, or its rows for
+    `draft_vocab`'s N tokens -> [..., N]."""
+    if draft_vocab is None:
+        return target.logits(hidden)
+    w = draft_vocab.weight  # [N, h]
+    return jnp.einsum("...h,nh->...n", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
 def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array | None,
                  ctx_len: jax.Array, root: jax.Array, *, block_size: int, mask_token_id: int,
                  proposal: Optional[Proposal], draft_vocab: Optional[DraftVocab] = None,
@@ -118,12 +127,7 @@ def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, c
     block = jnp.concatenate([root[:, None], jnp.full((b, block_size - 1), mask_token_id, jnp.int32)], axis=1)
     if drafter is not None:
         hidden, drafter_cache = drafter(target.embed_tokens(block), features, ctx_start, ctx_len, drafter_cache, active)
-        if draft_vocab is not None:
-            w = draft_vocab.weight  # [N, h]
-            logits = jnp.einsum("bkh,nh->bkn", hidden[:, 1:].astype(w.dtype), w,
-                                preferred_element_type=jnp.float32)  # [b, B-1, N]
-        else:
-            logits = target.logits(hidden[:, 1:])  # [b, B-1, vocab]
+        logits = head_logits(target, hidden[:, 1:], draft_vocab)  # [b, B-1, vocab or N]
     else:
         logits = jnp.zeros((b, block_size - 1, target.config.vocab_size), jnp.float32)
     if proposal is not None:

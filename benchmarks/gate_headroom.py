@@ -105,6 +105,7 @@ def tree_pass(engine):
     import jax.numpy as jnp
     from flax import nnx
 
+    from bastion_jax.speculative import head_logits
     from bastion_jax.training.forward import drafter_blocks, target_features
     from bastion_jax.tree import build_tree
 
@@ -120,12 +121,7 @@ def tree_pass(engine):
         ids = jnp.where(k == 0, tokens[0, anchors][:, None], cfg.mask_token_id)  # [N, B]
         hidden = drafter_blocks(dm, tm.embed_tokens(ids)[None], (anchors[:, None] + k)[None], anchors[None],
                                 jnp.ones((1, anchors.shape[0]), bool), feats)[0, :, 1:]  # [N, B-1, h]
-        if vocab is not None:
-            logits = jnp.einsum("nkh,vh->nkv", hidden.astype(vocab.weight.dtype), vocab.weight,
-                                preferred_element_type=jnp.float32)  # [N, B-1, draft vocab]
-        else:
-            logits = tm.logits(hidden)
-        lp = jax.nn.log_softmax(logits, axis=-1)
+        lp = jax.nn.log_softmax(head_logits(tm, hidden, vocab), axis=-1)  # [N, B-1, draft vocab]
         ids_map = vocab.ids if vocab is not None else None
         return jax.vmap(lambda r, l: build_tree(r, l, nodes, engine.top_k, ids_map))(tokens[0, anchors], lp)
 
@@ -160,9 +156,9 @@ def replay_gate(acc, sur, prices, engine) -> tuple[float, int]:
         c = prices.context(t)
         steps += 1
         if not holding:
-            curve = sur[t][None] * gate.rho
-            if gate.use_tree(c, sur[t]) and ctl.choose(curve, c, one, record=False) != 1:
-                i = buckets.index(ctl.choose(curve, c, one, record=False))
+            b = ctl.choose(sur[t][None] * gate.rho, c, one, record=False) if gate.use_tree(c, sur[t]) else 1
+            if b != 1:
+                i = buckets.index(b)
                 secs += prices.tree(i, t)
                 gate.observe_verify(buckets[i], float(sur[t, i]), float(acc[t, i]))
                 gate.record(DRAFT, int(acc[t, i]) + 1)

@@ -55,16 +55,12 @@ def test_replays_against_brute_force():
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory):
-    from bastion_jax.checkpoints import convert, load_target, random_drafter
+def tiny_engine(converted):
+    from bastion_jax.checkpoints import random_drafter
     from bastion_jax.engine import Engine
     from bastion_jax.presets import tiny_drafter_config
-    from bastion_jax.testing import save_tiny_hf
 
-    root = tmp_path_factory.mktemp("gh")
-    save_tiny_hf("qwen3", root / "hf", seed=5)
-    convert(root / "hf", root / "ckpt", dtype="float32")
-    target = load_target(root / "ckpt")
+    target = converted("qwen3")[1]
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=6), seed=1)
     return Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4, lookup=None)
 
