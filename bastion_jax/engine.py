@@ -32,7 +32,7 @@ from bastion_jax.sampling import SamplingConfig, sampler
 from bastion_jax.speculative import DraftVocab
 from bastion_jax.stats import Result, Rows, Stats
 from bastion_jax.tree_decoding import DRAFT, HOLD
-from bastion_jax.tree_loop import TreeLoop
+from bastion_jax.tree_loop import TreeLoop, read
 
 __all__ = ["MODES", "Engine", "GenerationError", "Result", "Stats"]
 
@@ -326,7 +326,7 @@ class Engine:
             # Every active row still needs a step after this one even if this one commits a whole
             # block (a tree step commits at most block_size tokens): fixed:N may dispatch it ahead.
             tree_ahead = bool((rows.done | (rows.produced + (self.block_size or 0) < rows.budget)).all())
-            # One device->host read per step (`jax.device_get` of everything the host needs at once).
+            # One device->host read per step (`tree_loop.read` of everything the host needs at once).
             if policy.kind == "ar":
                 if queued is None:
                     queued, tcache = step(exe.target_params, tcache, cur, jax.device_put(lengths), next_params(),
@@ -340,12 +340,12 @@ class Engine:
                 if look_ahead:
                     queued, tcache = step(exe.target_params, tcache, cur, jax.device_put(lengths + active),
                                           next_params(), active_dev)
-                toks = jax.device_get(cur)
+                (toks,) = read(cur)
                 new = [[toks[i]] for i in range(batch)]
                 counts = np.ones(batch, np.int64)
             elif policy.kind == "dflash":
                 state, out = step(exe.target_params, dstate, state, active_dev, next_params())
-                toks, counts = jax.device_get((out.tokens, out.count))
+                toks, counts = read(out.tokens, out.count)
                 new = [toks[i, : counts[i]] for i in range(batch)]
             else:
                 state, toks, counts = loop.step(state, active, active_dev, lengths, next_params,

@@ -35,13 +35,20 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Collection, NamedTuple
 
-import jax
 import numpy as np
 
 from bastion_jax.controller import Controller
 from bastion_jax.draft_gate import DraftGate
 from bastion_jax.latency import AR, AR_DRAFT, LatencyModel
 from bastion_jax.tree_decoding import DRAFT, HOLD
+
+
+def read(*arrays) -> tuple[np.ndarray, ...]:
+    """The host copies of a step's outputs: the loop's one device->host read. `np.asarray` on each
+    rather than `jax.device_get`, whose generic Python path costs ~0.2 ms a call once the step before
+    has evicted it from the CPU's caches (measured on the 2-core CPU: 0.08 ms against 0.3 ms for three
+    small arrays), about 1% of a SmolLM2 tree step there."""
+    return tuple(np.asarray(a) for a in arrays)
 
 
 class Dispatched(NamedTuple):
@@ -158,7 +165,7 @@ class TreeLoop:
             state, self.queued = self._dispatch_holding(context + 1, state, active_dev, next_key(), ahead=True)
         elif tree_ahead and self.kind == "fixed":
             state, self.queued = self._dispatch_tree(cur.bucket, state, active_dev, next_key(), early=True)
-        toks, counts, new_curve = jax.device_get((cur.out.tokens, cur.out.count, cur.curve))
+        toks, counts, new_curve = read(cur.out.tokens, cur.out.count, cur.curve)
         # A step dispatched before its predecessor was read started on the device when that one ended,
         # at the latest when the host came back for it; any other step started when it was dispatched.
         elapsed = time.perf_counter() - (max(cur.at, self.back_at) if cur.early else cur.at)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bastion_jax.modeling.cache import KVCache, write_layer_rows, write_rows
+from bastion_jax.modeling.cache import KVCache, write_layer_rows
 
 
 def walk(tokens: jax.Array, parents: jax.Array, choices: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array]:
@@ -41,16 +41,10 @@ def compact_cache(cache: KVCache, start: jax.Array, path: jax.Array, active: jax
     # one-slot window makes XLA copy the whole cache buffer).
     if path.shape[1] == 1:
         return cache
-    if cache.stacked:  # every layer at once: [layers, b, max_len, kv_heads, d]
-        src, rows = start[:, None] + path, jnp.arange(path.shape[0])[:, None]  # [b, L] slots of the accepted nodes
+    # every layer at once: [layers, b, max_len, kv_heads, d]
+    src, rows = start[:, None] + path, jnp.arange(path.shape[0])[:, None]  # [b, L] slots of the accepted nodes
 
-        def move_all(buf):
-            return write_layer_rows(buf, None, buf[:, rows, src], start, active)
+    def move_all(buf):
+        return write_layer_rows(buf, None, buf[:, rows, src], start, active)
 
-        return KVCache(k=move_all(cache.k), v=move_all(cache.v))
-    idx = (start[:, None] + path)[:, :, None, None]  # [b, L, 1, 1]
-
-    def move(buf):
-        return write_rows(buf, jnp.take_along_axis(buf, idx, axis=1), start, active)
-
-    return KVCache(k=tuple(move(k) for k in cache.k), v=tuple(move(v) for v in cache.v))
+    return KVCache(k=move_all(cache.k), v=move_all(cache.v))

@@ -1,6 +1,8 @@
 """Batches (issue 11.9): every row of a batch gets exactly its single-prompt output, whatever its
 prompt length, acceptance and stop point; and a step is priced at the batch it computes."""
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,8 +106,11 @@ def test_engine_prices_a_batch_run_at_its_batch(converted):
 def _rows(state, row: int) -> list[np.ndarray]:
     """The cache leaves of a step state (target and drafter K/V, the feature buffer), sliced to one
     batch row; host copies, since steps donate their state."""
-    parts = [getattr(state, name) for name in ("target_cache", "drafter_cache", "pending") if hasattr(state, name)]
-    return [np.array(x[row]) for x in jax.tree_util.tree_leaves(parts or state)]
+    if not hasattr(state, "target_cache"):  # a bare KVCache
+        state = SimpleNamespace(target_cache=state)
+    caches = [getattr(state, name) for name in ("target_cache", "drafter_cache") if hasattr(state, name)]
+    rows = [np.array(x[:, row]) for x in jax.tree_util.tree_leaves(caches)]  # [layers, batch, ...]
+    return rows + ([np.array(state.pending[row])] if hasattr(state, "pending") else [])
 
 
 def _same(before: list[np.ndarray], after: list[np.ndarray]) -> bool:

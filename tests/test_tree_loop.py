@@ -3,11 +3,11 @@ the gate records every step exactly once, and nothing is dispatched ahead past t
 
 import types
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bastion_jax import tree_loop
 from bastion_jax.controller import Controller, Policy
 from bastion_jax.draft_gate import DraftGate
 from bastion_jax.tree_decoding import DRAFT, FLUSH, HOLD
@@ -57,8 +57,8 @@ def make_loop(log, batch=2):
 
 def run(loop, n, log, monkeypatch, look_ahead=lambda i: True, tree_ahead=lambda i: False, batch=2):
     """n steps, each given its own key (the step index) when the loop asks for one; reads are logged."""
-    real_get = jax.device_get
-    monkeypatch.setattr(jax, "device_get", lambda x: (log.append(("read",)), real_get(x))[1])
+    real_read = tree_loop.read
+    monkeypatch.setattr(tree_loop, "read", lambda *a: (log.append(("read",)), real_read(*a))[1])
     keys = iter(range(1000))
     active = np.ones(batch, bool)
     for i in range(n):
@@ -149,8 +149,8 @@ def test_bastion_tree_steps_go_out_right_after_the_read(monkeypatch):
     controller = Controller(Policy("bastion"), BUCKETS, Latency())
     loop = TreeLoop("bastion", controller, None, {b: tree(b) for b in BUCKETS}, None, Latency(), BUCKETS, None,
                     None, np.tile([0.0, 3.0, 3.0], (batch, 1)), stop_ids=[stop])
-    real_get = jax.device_get
-    monkeypatch.setattr(jax, "device_get", lambda x: (log.append(("read",)), real_get(x))[1])
+    real_read = tree_loop.read
+    monkeypatch.setattr(tree_loop, "read", lambda *a: (log.append(("read",)), real_read(*a))[1])
     active = np.ones(batch, bool)
     for i, ahead in enumerate([True, True, True, True, False]):
         loop.step(None, active, active, np.full(batch, 10 + 2 * i), lambda: None, True, ahead)

@@ -17,55 +17,45 @@ from bastion_jax.dflash_config import DrafterConfig
 
 @struct.dataclass
 class KVCache:
-    """Every layer's keys and values, in one of two layouts:
+    """Every layer's keys and values as one stacked buffer each, `[layers, batch, max_len, kv_heads,
+    head_dim]`, whether the layers run unrolled or under a scan.
 
-    - per layer (a tuple of `[batch, max_len, kv_heads, head_dim]` buffers), for unrolled layers:
-      each layer's buffer is its own argument of the step;
-    - stacked (one `[layers, batch, max_len, kv_heads, head_dim]` buffer), for layers run by a
-      scan: the buffer rides in the scan's carry and each layer updates its rows in place.
+    One buffer per kind, not one per layer: every buffer is an argument of each jitted step, and on
+    CPU the host's dispatch of a step costs a few microseconds per argument, cache-cold after the
+    step before (SmolLM2's 60 per-layer buffers were ~0.2 ms of a ~25 ms tree step). Layers write with
+    `write_layer(i, ...)` (one scatter into layer i's rows, in place when the cache is donated) and
+    attention reads layer i's live slots chunk by chunk straight from the stacked buffer (`layer(i)`),
+    so no layer's buffer is ever sliced out whole."""
 
-    Layers write with `write_layer(i, ...)` and read with `layer(i)`, whatever the layout."""
-
-    k: tuple[jax.Array, ...] | jax.Array
-    v: tuple[jax.Array, ...] | jax.Array
+    k: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
+    v: jax.Array
 
     @classmethod
     def create(cls, cfg: TargetConfig | DrafterConfig, batch: int, max_len: int, dtype: jnp.dtype) -> "KVCache":
-        """Stacked when `cfg` scans its layers (`TargetConfig.scan_layers`), else per layer."""
-        shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        n = cfg.num_hidden_layers
-        if getattr(cfg, "scan_layers", False):
-            return cls(k=jnp.zeros((n,) + shape, dtype), v=jnp.zeros((n,) + shape, dtype))
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(n)), v=tuple(jnp.zeros(shape, dtype) for _ in range(n)))
-
-    @property
-    def stacked(self) -> bool:
-        return not isinstance(self.k, tuple)
+        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1] if self.stacked else self.k[0].shape[0]
+        return self.k.shape[1]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2] if self.stacked else self.k[0].shape[1]
+        return self.k.shape[2]
 
-    def layer(self, i: int | jax.Array) -> tuple[jax.Array, jax.Array, int | jax.Array | None]:
-        """What attention reads for layer i: (k, v, layer index) of the stacked buffers, or (k, v,
-        None) with that layer's own [batch, max_len, ...] buffers."""
-        if self.stacked:
-            return self.k, self.v, i
-        return self.k[i], self.v[i], None
+    def layer(self, i: int | jax.Array) -> tuple[jax.Array, jax.Array, int | jax.Array]:
+        """What attention reads for layer i: the stacked buffers and the layer's index in them."""
+        return self.k, self.v, i
 
     def write_layer(self, i: int | jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
                     active: jax.Array | None = None) -> "KVCache":
         """Write layer i's new k, v [batch, t, kv_heads, d] at per-row slots start[b] + j (rows with
-        active[b] False keep what they had). Per layer, i must be a Python int."""
-        if self.stacked:
-            return KVCache(k=write_layer_rows(self.k, i, k, start, active), v=write_layer_rows(self.v, i, v, start, active))
-        ks, vs = list(self.k), list(self.v)
-        ks[i], vs[i] = write_rows(ks[i], k, start, active), write_rows(vs[i], v, start, active)
-        return KVCache(k=tuple(ks), v=tuple(vs))
+        active[b] False keep what they had)."""
+        return KVCache(k=write_layer_rows(self.k, i, k, start, active), v=write_layer_rows(self.v, i, v, start, active))
+
+    def write_all(self, k: jax.Array, v: jax.Array, start: jax.Array, active: jax.Array | None = None) -> "KVCache":
+        """Write every layer's new k, v [layers, batch, t, kv_heads, d] at slots start[b] + j, as one scatter."""
+        return KVCache(k=write_layer_rows(self.k, None, k, start, active), v=write_layer_rows(self.v, None, v, start, active))
 
 
 def write_layer_rows(buf: jax.Array, layer: int | jax.Array | None, new: jax.Array, start: jax.Array,

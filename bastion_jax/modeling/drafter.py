@@ -112,12 +112,11 @@ class Drafter(nnx.Module):
         new_visible = jnp.arange(c)[None, :] < ctx_len[:, None]  # [b, C]: the real new context rows
         mask = jnp.concatenate([jnp.broadcast_to(new_visible[:, None, :], (b, block, c)),
                                 jnp.ones((b, block, block), bool)], axis=-1)  # [b, B, C + B]
+        kv = [layer.self_attn.context_kv(x_ctx, rope_ctx) for layer in self.layers]  # [b, C, kv_heads, d] each
+        cache = self._write_context(cache, kv, ctx_start, active)
         h = block_emb
         for i, layer in enumerate(self.layers):
-            k_ctx, v_ctx = layer.self_attn.context_kv(x_ctx, rope_ctx)  # [b, C, kv_heads, d]
-            cache = cache.write_layer(i, k_ctx, v_ctx, ctx_start, active)  # written first: see Transformer
-            h = layer(h, rope_blk, k_ctx, v_ctx, mask,
-                      (*cache.layer(i), None if empty else ctx_start))  # cache slots < ctx_start
+            h = layer(h, rope_blk, *kv[i], mask, (*cache.layer(i), None if empty else ctx_start))  # cache slots < ctx_start
         return self.norm(h), cache
 
     def inject(self, ctx_features: jax.Array, ctx_start: jax.Array, cache: KVCache, dtype: jnp.dtype,
@@ -129,10 +128,18 @@ class Drafter(nnx.Module):
         inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim)
         rope_ctx = rope_cos_sin(inv_freq, ctx_start[:, None] + jnp.arange(c)[None], dtype)
         x_ctx = self.project(ctx_features.astype(dtype))  # [b, C, h]
-        for i, layer in enumerate(self.layers):
-            k_ctx, v_ctx = layer.self_attn.context_kv(x_ctx, rope_ctx)  # [b, C, kv_heads, d]
-            cache = cache.write_layer(i, k_ctx, v_ctx, ctx_start, active)
-        return cache
+        kv = [layer.self_attn.context_kv(x_ctx, rope_ctx) for layer in self.layers]  # [b, C, kv_heads, d] each
+        return self._write_context(cache, kv, ctx_start, active)
+
+    @staticmethod
+    def _write_context(cache: KVCache, kv: list[tuple[jax.Array, jax.Array]], ctx_start: jax.Array,
+                       active: jax.Array | None) -> KVCache:
+        """Every layer's context K/V written in one scatter, before any layer reads the cache. (A layer's
+        context K/V does not depend on the layer below, so written one layer at a time XLA may schedule
+        layer i + 1's write before layer i's read and then copies the whole stacked cache to keep both.)"""
+        k = jnp.stack([k for k, _ in kv])  # [layers, b, C, kv_heads, d]
+        v = jnp.stack([v for _, v in kv])
+        return cache.write_all(k, v, ctx_start, active)
 
     def project(self, features: jax.Array) -> jax.Array:
         """Fused target features [..., n_taps * target_hidden] -> drafter context states [..., h]."""
