@@ -110,3 +110,21 @@ def test_cli_pack_and_unpack_round_trip(tmp_path):
     back = [json.loads(line) for line in open(tmp_path / "back.jsonl")]
     assert [(r["source"], r["prompt_ids"], r["response_ids"]) for r in back] == [
         (r["source"], r["prompt_ids"], r["response_ids"]) for r in records]
+
+
+def test_responses_keep_one_cache_length_across_batches(tmp_path, converted):
+    """Every batch decodes with the same KV cache length, whatever its longest prompt: sized per batch,
+    each new length compiled another decode step (most of a GPU data run's time)."""
+    from bastion_jax.engine import Engine
+    from bastion_jax.training.data import generate_responses
+
+    _, target = converted("llama3")
+    tok = chat_tokenizer()
+    engine = Engine(target, tok)
+    prompts = [("s", " ".join(f"w{i}" for i in range(n))) for n in (2, 3, 260, 261, 40, 5)]
+    out = tmp_path / "r.jsonl"
+    n = generate_responses(engine, tok, prompts, out, max_new_tokens=4, max_prompt_tokens=400, batch_size=2,
+                           progress=False)
+    assert n == 6 and len(open(out).readlines()) == 6
+    decode_keys = [k for k in engine.executables._table if k[0] == "decode"]
+    assert len(decode_keys) == 1, decode_keys

@@ -143,12 +143,16 @@ def generate_responses(engine, tokenizer, prompts: Sequence[tuple[str, str]], ou
         ids = encode_prompt(tokenizer, text, system=system)
         todo.append((source, ids[-max_prompt_tokens:] if len(ids) > max_prompt_tokens else ids))
     sampling = SamplingConfig(temperature=temperature)
+    # One KV cache length for every batch: sized per batch, each new longest prompt compiled a new
+    # decode step (tens of seconds each on a GPU, where it was most of the time of a batch).
+    limit = engine.target.config.max_position_embeddings
+    max_len = min(-(-(max_prompt_tokens + max_new_tokens) // 256) * 256, limit)
     written = 0
     with open(out, "a") as f, tqdm(total=len(todo), disable=not progress, desc="responses", unit="prompt") as bar:
         for i in range(0, len(todo), batch_size):
             batch = todo[i:i + batch_size]
             result = engine.generate([ids for _, ids in batch], max_new_tokens=max_new_tokens, mode="ar",
-                                     sampling=sampling, seed=seed + (done + i) // batch_size)
+                                     sampling=sampling, seed=seed + (done + i) // batch_size, max_len=max_len)
             for (source, ids), resp in zip(batch, result.tokens):
                 f.write(json.dumps({"source": source, "prompt_ids": ids, "response_ids": resp,
                                     "temperature": temperature}) + "\n")

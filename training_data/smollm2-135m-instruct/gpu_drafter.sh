@@ -2,7 +2,7 @@
 # Drafter training on a lent GPU (issue 13), inside ONE device command of BUDGET seconds:
 #   1. more target-written data, alone on the GPU: two new sets generated side by side (seeds 5 and 6:
 #      other gsm8k_train / code_alpaca prompts, their committed Magpie prompts; T = 0.7 and greedy;
-#      seed 3 is generate.sh's, on CPU), time-boxed; a set already committed is not made again;
+#      seed 3 is generate.sh's, on CPU), time-boxed; a set committed part-way is continued;
 #   2. two drafters trained side by side on the committed sets + the new ones, with soft labels
 #      (--distill 0.5, as drafter v8) and seq_len 384 (the sets average ~255 tokens), each stopped by
 #      --max-seconds (the learning rate anneals on wall time, so a cut run still ends annealed):
@@ -37,6 +37,8 @@ DATA_DIR=${DATA_DIR:-.device/p2/data}
 STASH=${STASH:-/root/stash}
 mkdir -p "$W/logs" "$W/ret" "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# one compile per executable for all processes of the job (both generators share the AR steps)
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
 elapsed() { echo $(( $(date +%s) - T0 )); }
 log() { echo "[$(elapsed)s] $*" | tee -a "$W/logs/job.log"; }
 
@@ -71,7 +73,10 @@ $PY -c "import jax, flax, optax, orbax.checkpoint as o; print('jax', jax.__versi
 STOP_AT=$(( BUDGET - 75 ))  # then pack, tar and return
 DATA_S=${DATA_S:-$(( BUDGET * 30 / 100 ))}
 gen() {  # name seed temperature
-  [ -f "$here/$1.npz" ] && { echo "$1 is committed already" > "$W/logs/data-$1.log"; return; }
+  # a set committed part-way (an earlier lease) is continued: restore its records, `data` resumes after them
+  if [ -f "$here/$1.npz" ] && [ ! -f "$W/$1.jsonl" ]; then
+    $PY -m bastion_jax.train_drafter pack --data "$here/$1.npz" --out "$W/$1.jsonl" > "$W/logs/data-$1.log" 2>&1
+  fi
   local prompts=$here/magpie_prompts_s$2.jsonl.gz magpie=0
   if [ -f "$prompts" ] && [ ! -f "$W/$1.jsonl.magpie.jsonl" ]; then
     gunzip -c "$prompts" > "$W/$1.jsonl.magpie.jsonl"
@@ -84,7 +89,7 @@ gen() {  # name seed temperature
 from bastion_jax.train_drafter import main; sys.exit(main(sys.argv[1:]))" \
     data --target "$TARGET" --out "$W/$1.jsonl" --num "$NUM" --seed "$2" --temperature "$3" --magpie "$magpie" \
     --sources "$DATA_DIR/gsm8k_train.jsonl.gz" "$DATA_DIR/code_alpaca_2k.jsonl.gz" --stdlib 400 \
-    --max-new-tokens "$MAXNEW" --batch-size "$BS" > "$W/logs/data-$1.log" 2>&1
+    --max-new-tokens "$MAXNEW" --batch-size "$BS" >> "$W/logs/data-$1.log" 2>&1
   echo "$1 exit $?" >> "$W/logs/data-$1.log"
 }
 log "data: 2 sets of up to $NUM prompts, ${DATA_S}s"
@@ -136,7 +141,11 @@ train() {  # name args...: retried with other XLA settings / a bf16 target if it
 }
 log "training two drafters until ${STOP_AT}s"
 # The committed sets first and the new ones after, so the held-out rows are the last of the last file.
-common=(--target "$TARGET" --data "$here"/greedy.npz "$here"/t07.npz "$here"/t07s*.npz "$here"/g[0-9]*.npz "${new[@]}" --block-size 16
+sets=()
+for f in "$here"/greedy.npz "$here"/t07.npz "$here"/t07s*.npz "$here"/g[0-9]*.npz "$here"/c[0-9]*.npz; do
+  [ -f "$W/ret/$(basename "$f")" ] || sets+=("$f")  # a set continued here comes back whole in ret/
+done
+common=(--target "$TARGET" --data "${sets[@]}" "${new[@]}" --block-size 16
         --seq-len 384 --anchors 64 --batch-size "$TBS" --distill 0.5 --held-out 128 --eval-every 200 --save-every 1000
         --steps "$STEPS" --no-feature-cache)
 train v9a "${common[@]}" --init bastion_jax/assets/smollm2-135m-instruct-dflash --lr 3e-4 &
