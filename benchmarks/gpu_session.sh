@@ -5,15 +5,21 @@
 #   bash benchmarks/gpu_session.sh check    # versions; the prefix kernel compiled for this GPU vs the XLA loop
 #   bash benchmarks/gpu_session.sh perf     # perf_8b at Qwen3-8B shapes (random bf16 weights), Pallas kernel
 #   bash benchmarks/gpu_session.sh perf-xla # the same with the XLA prefix loop, to compare
-#   bash benchmarks/gpu_session.sh stash    # keep the first GGUF piece (.device/p1, carried) for the drafter job
+#   bash benchmarks/gpu_session.sh stash    # keep the carried GGUF piece (.device/pI) for the drafter job
 #
-# A 15-minute lease, as the first one went (2026-11-26, H200; a start took ~30 s): run
-# `training_data/smollm2-135m-instruct/device_pieces.sh` here first, then, back to back,
-#   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && bash benchmarks/gpu_session.sh perf`
-#      with a timeout that leaves ~9 minutes (perf's tree_prefill took >150 s to compile before the
-#      prefill stopped passing a constant zero length; its time now is unmeasured);
-#   2. carry .device/p2: `bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS`, SECONDS
-#      about 60 under the lease's budget_left_s (status), which covers the transfers.
+#   bash benchmarks/gpu_session.sh probe    # compile times of the steps under XLA flag variants (compile_probe)
+#
+# A 15-minute lease (two so far, 2026-11-26: an H200, then an H100; a start took ~30-60 s). Both
+# times perf_8b got no figure: `jit_tree_prefill` at Qwen3-8B shapes compiled for > 200 s on the GPU
+# (6.4 s on the 2-core CPU). So, after running `training_data/smollm2-135m-instruct/device_pieces.sh`
+# here (it says how many pieces the GGUF needs: three since 2026-11-26), back to back:
+#   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && bash benchmarks/gpu_session.sh probe`,
+#      timeout ~360 s: which XLA:GPU pass the compile time is in (a row per variant);
+#   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash`, and if a probe variant was fast,
+#      `XLA_FLAGS=<its flags> bash benchmarks/gpu_session.sh perf` in the same call;
+#   3. carry the last piece: `bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS`, SECONDS
+#      about 60 under the lease's budget_left_s (status), which covers the transfers. (It continues the
+#      committed part-made sets t07s5 / g6 first: one cache length per set now, so one compile.)
 #
 # Nothing is installed: the machine's image has JAX (CUDA), Flax, Optax, Orbax, safetensors and
 # tokenizers, and random-weight runs need nothing else (gguf is imported only to read a GGUF). The
@@ -24,7 +30,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-benchmarks/results}"
 mkdir -p "$OUT"
-step="${1:?usage: gpu_session.sh check|perf|perf-xla|stash}"
+step="${1:?usage: gpu_session.sh check|perf|perf-xla|stash|probe}"
 
 case "$step" in
   check)
@@ -35,7 +41,7 @@ case "$step" in
       | tee "$OUT/gpu-kernel-tests.log"
     ;;
   stash)
-    mkdir -p /root/stash && cp .device/p1/gguf.xz.a /root/stash/ && ls -la /root/stash
+    mkdir -p /root/stash && cp .device/p*/gguf.xz.? /root/stash/ && ls -la /root/stash
     ;;
   perf | perf-xla)
     mode=pallas
@@ -43,8 +49,14 @@ case "$step" in
     python3 -m benchmarks.perf_8b --prefix-attention "$mode" --buckets 1,16,32,64,128,256 --contexts 1024,2048 \
       --name "perf-qwen3-8b-$mode" --out-dir "$OUT" --compilation-cache /tmp/jax-cache 2>&1 | tee "$OUT/perf-$mode.log"
     ;;
+  probe)
+    # scanned layers compile one body whatever the depth: 4 layers probe the same body as 36, faster
+    python3 -m benchmarks.compile_probe --layers 4 --timeout 60 --dump \
+      --variants default,autotune-0,no-loop-unrolling,no-constant-folding,unrolled --out-dir "$OUT" 2>&1 \
+      | tee "$OUT/probe.log"
+    ;;
   *)
-    echo "unknown step $step (check, perf, perf-xla, stash)" >&2
+    echo "unknown step $step (check, perf, perf-xla, stash, probe)" >&2
     exit 2
     ;;
 esac

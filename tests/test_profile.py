@@ -274,6 +274,26 @@ def test_compile_time_from_shapes_only(tmp_path, capsys):
     assert "Ratio 2 / 1 layers, scanned" in capsys.readouterr().out
 
 
+def test_compile_probe_reports_each_variant_and_a_timeout(tmp_path):
+    """Each variant compiles in its own process; one stopped by its timeout still comes back, marked."""
+    from benchmarks import compile_probe
+
+    common = ["--arch", "smollm2-135m", "--layers", "1", "--prompt", "32", "--cache-len", "64", "--bucket", "4",
+              "--dtype", "float32", "--out-dir", str(tmp_path)]
+    assert compile_probe.main([*common, "--variants", "default,unrolled,autotune-0", "--name", "cp"]) == 0
+    raw = json.loads((tmp_path / "cp.json").read_text())
+    assert [v["variant"] for v in raw["variants"]] == ["default", "unrolled"]  # autotune-0: GPU only
+    assert raw["meta"]["skipped_off_gpu"] == ["autotune-0"]
+    steps = ["prefill", "tree_prefill", "decode", "tree_step(4)"]
+    for v in raw["variants"]:
+        assert v["status"] == "ok" and list(v["steps"]) == steps
+        assert all(finite_positive(d["compile_s"]) and d["hlo_chars"] > 0 for d in v["steps"].values())
+    assert raw["variants"][1]["info"]["scan"] is False
+    assert compile_probe.main([*common, "--variants", "default", "--timeout", "0.5", "--name", "cq"]) == 0
+    (late,) = json.loads((tmp_path / "cq.json").read_text())["variants"]
+    assert late["status"] == "timeout 0 s" and "| default | timeout 0 s |" in (tmp_path / "cq.md").read_text()
+
+
 def test_install_is_found_by_generate_however_the_paths_are_spelled(tmp_path, monkeypatch, capsys):
     """`profile --install` and `generate` compute one key for one pair: the profile is given the target
     through a relative symlink, generate through the absolute path, and generate reuses the file."""

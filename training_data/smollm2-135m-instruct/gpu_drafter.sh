@@ -14,7 +14,7 @@
 #   bash training_data/smollm2-135m-instruct/gpu_drafter.sh BUDGET_SECONDS
 #
 # The target: $TARGET (a converted checkpoint dir), else the SmolLM2 GGUF reassembled from pieces
-# carried to the device (`$STASH/gguf.xz.a` from an earlier call + `.device/p2/gguf.xz.b`: the GGUF
+# carried to the device (`$STASH/gguf.xz.*` from the earlier calls + the last piece's, `$PIECE`: the GGUF
 # is larger than one call's working tree) and converted there, with the tokenizer files carried
 # beside it (the device image's transformers predates the torch-free GGUF tokenizer path).
 # On CPU, a smoke run: TARGET=<dir> DATA_DIR=../shared/data NUM=8 BS=4 MAXNEW=16 MAGPIE_CAP=4 TBS=2 STEPS=3 bash ... 300
@@ -33,7 +33,8 @@ STEPS=${STEPS:-6000}      # training steps (the schedule's length; --max-seconds
 TBS=${TBS:-32}            # training batch (sequences)
 MAXNEW=${MAXNEW:-256}     # new tokens per response
 MAGPIE_CAP=${MAGPIE_CAP:-1500}  # self-written prompts per set at most (only the committed ones are used)
-DATA_DIR=${DATA_DIR:-.device/p2/data}
+PIECE=${PIECE:-$(ls -d .device/p*/data 2>/dev/null | tail -n 1 | xargs -r dirname)}  # the carried last piece
+DATA_DIR=${DATA_DIR:-$PIECE/data}
 STASH=${STASH:-/root/stash}
 mkdir -p "$W/logs" "$W/ret" "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -43,12 +44,12 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 log() { echo "[$(elapsed)s] $*" | tee -a "$W/logs/job.log"; }
 
 if [ -z "${TARGET:-}" ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/p2/whl/*.whl
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$PIECE"/whl/*.whl
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
-  cat "$STASH/gguf.xz.a" .device/p2/gguf.xz.b | xz -d -T0 > "$W/target.gguf" || { log "no GGUF"; exit 1; }
+  cat "$STASH"/gguf.xz.? "$PIECE"/gguf.xz.? | xz -d -T0 > "$W/target.gguf" || { log "no GGUF"; exit 1; }
   TARGET=$W/smollm2-f32
   rm -rf "$TARGET"
-  $PY - "$W/target.gguf" "$TARGET" <<'EOF'
+  $PY - "$W/target.gguf" "$TARGET" "$PIECE" <<'EOF'
 import sys, tarfile
 from pathlib import Path
 import jax.numpy as jnp
@@ -57,7 +58,7 @@ src = open_source(sys.argv[1])
 cfg, params = load_params(src, jnp.float32)
 out = Path(sys.argv[2]); out.mkdir(parents=True)
 save_target(out, cfg, params, source=str(src.path))
-with tarfile.open(".device/p2/tok/tok.tar.xz") as t:
+with tarfile.open(sys.argv[3] + "/tok/tok.tar.xz") as t:
     t.extractall(out)
 print("converted", out)
 EOF
