@@ -47,6 +47,12 @@ def check(rng, *, b, max_len, lengths, new_mask, hq=4, hkv=2, d=8, dtype=jnp.flo
     want = attend(q, write_rows(k_cache, k_new, length), write_rows(v_cache, v_new, length),
                   jnp.asarray(dense_mask(np.asarray(lengths), new_mask, max_len)))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    # The models' form: one layer (here 1, a traced index) of stacked caches [layers, b, max_len, kv, d],
+    # read in place, the other layers holding other values.
+    stacked = [jnp.stack([-c, c, c * 0 + 5]) for c in (k_cache, v_cache)]
+    in_place = jax.jit(lambda i: attend_split(q, *stacked, length, k_new, v_new, jnp.asarray(new_mask), layer=i,
+                                              **chunks))(jnp.int32(1))
+    np.testing.assert_allclose(np.asarray(in_place, np.float32), np.asarray(got, np.float32), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("max_len,chunk", [(40, 8), (40, 16), (40, 64), (37, 7)])

@@ -148,6 +148,10 @@ def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: j
     read at all. (A constant zero length gives the same result, but XLA:GPU then constant-folds the
     loop body's all-masked scores, tens of seconds per compile at SmolLM2 batch 128.)
 
+    Both cache forms stay public: the models keep every layer in one stacked buffer (fewer arguments
+    per step) and pass `layer`; code that keeps one cache per layer passes that buffer alone. The
+    tests check both against the same brute-force reference.
+
     Returns [b, t, q_heads * d]; equal to `attend` over [prefix | new] up to float rounding."""
     qg = _group(q, k.shape[2])
     slots = k_cache.shape[1 if layer is None else 2]
