@@ -13,8 +13,9 @@ shapes (prompt 2048, cache 4096) compiled for over 200 s where the 2-core CPU ta
 variant that is fast names the XLA:GPU pass to blame (autotuning, loop unrolling, constant folding,
 the scanned layout). With scanned layers the compile does not grow with depth, so `--layers 4` probes
 the same layer body in less time.
-`--dump` also writes each step's optimised HLO size, and the optimised HLO of `tree_prefill` for
-the default variant, under --out-dir.
+Each step's optimised HLO size, loop count and scratch memory are reported (scratch that grows
+with --cache-len means XLA copies a KV cache every step: on an H100 the SmolLM2 AR step at batch 128
+took 0.3 s, to be explained); `--dump` writes the optimised HLO of each step under --out-dir.
 Writes <name>.json and <name>.md (device, date, commit, a row per variant).
 """
 
@@ -53,10 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", type=int, default=2048, help="prefill bucket (default 2048)")
     p.add_argument("--cache-len", type=int, default=4096)
     p.add_argument("--bucket", type=int, default=64, help="tree size of the tree step (default 64)")
+    p.add_argument("--batch", type=int, default=1, help="rows per step (default 1)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per variant (default 120)")
-    p.add_argument("--dump", action="store_true", help="also write the optimised HLO of tree_prefill (default variant)")
+    p.add_argument("--dump", action="store_true", help="also write each step's optimised HLO (default variant)")
     p.add_argument("--name", help="results file stem (default <backend>-<arch>-compile-probe)")
     p.add_argument("--out-dir", default=str(RESULTS))
     p.add_argument("--child", help=argparse.SUPPRESS)  # run one variant in this process
@@ -81,13 +83,14 @@ def child(args) -> int:
     tdef, ddef, tparams, dparams, tcfg, dcfg = abstract_pair(args.arch, layers, dtype, scan)
     cfg = StepConfig(target_def=tdef, drafter_def=ddef, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
                      tap_layers=tuple(dcfg.target_layer_ids), buckets=(args.bucket,), top_k=8)
-    rows = jax.ShapeDtypeStruct((1,), jnp.int32)
-    flags = jax.ShapeDtypeStruct((1,), bool)
+    b = args.batch
+    rows = jax.ShapeDtypeStruct((b,), jnp.int32)
+    flags = jax.ShapeDtypeStruct((b,), bool)
     key = sampler(jax.random.PRNGKey(0), SamplingConfig())
-    tcache = jax.eval_shape(lambda: KVCache.create(tcfg, 1, args.cache_len, dtype))
-    dcache = jax.eval_shape(lambda: KVCache.create(dcfg, 1, args.cache_len, dtype))
-    prompt = jax.ShapeDtypeStruct((1, args.prompt), jnp.int32)
-    small = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+    tcache = jax.eval_shape(lambda: KVCache.create(tcfg, b, args.cache_len, dtype))
+    dcache = jax.eval_shape(lambda: KVCache.create(dcfg, b, args.cache_len, dtype))
+    prompt = jax.ShapeDtypeStruct((b, args.prompt), jnp.int32)
+    small = jax.ShapeDtypeStruct((b, 16), jnp.int32)
     state = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(cfg, *a)[0], tparams, dparams, tcache, dcache,
                            small, rows, key)
     print(json.dumps({"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "layers": layers,
@@ -104,10 +107,13 @@ def child(args) -> int:
         compiled = lowered.compile()
         t2 = time.perf_counter()
         text = compiled.as_text() or ""
+        mem = compiled.memory_analysis()
+        temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
         print(json.dumps({"step": name, "lower_s": t1 - t0, "compile_s": t2 - t1, "hlo_chars": len(text),
-                          "while_loops": text.count(" while(")}), flush=True)
-        if args.dump and name == "tree_prefill":
-            Path(args.out_dir, "tree_prefill.optimized.hlo.txt").write_text(text)
+                          "while_loops": text.count(" while("), "temp_bytes": temp}), flush=True)
+        if args.dump:
+            stem = name.replace("(", "-").replace(")", "")
+            Path(args.out_dir, f"{stem}.optimized.hlo.txt").write_text(text)
     return 0
 
 
@@ -119,6 +125,7 @@ def run_variant(args, variant: str) -> dict:
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # every variant really compiles
     cmd = [sys.executable, "-m", "benchmarks.compile_probe", "--child", variant, "--arch", args.arch,
            "--prompt", str(args.prompt), "--cache-len", str(args.cache_len), "--bucket", str(args.bucket),
+           "--batch", str(args.batch),
            "--dtype", args.dtype, "--scan", args.scan, "--out-dir", args.out_dir, *child_args]
     if args.layers:
         cmd += ["--layers", str(args.layers)]
@@ -165,19 +172,22 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     meta = {"device": jax.devices()[0].device_kind, "backend": backend, "date": datetime.date.today().isoformat(),
             "commit": commit(), "arch": args.arch, "layers": args.layers, "prompt": args.prompt,
-            "cache_len": args.cache_len, "bucket": args.bucket, "dtype": args.dtype, "timeout_s": args.timeout,
+            "cache_len": args.cache_len, "bucket": args.bucket, "batch": args.batch, "dtype": args.dtype,
+            "timeout_s": args.timeout,
             "skipped_off_gpu": skipped}
     name = args.name or f"{backend}-{args.arch}-compile-probe"
     steps = ["prefill", "tree_prefill", "decode", f"tree_step({args.bucket})"]
     lines = [f"# {name}", "", f"{meta['device']}, {meta['date']}, commit {meta['commit']}, {args.arch} shapes, "
-             f"{args.dtype}, prompt {args.prompt}, cache {args.cache_len}, abstract weights; compile seconds "
-             f"(optimised HLO characters, while loops); '-' = not reached in {args.timeout:.0f} s.", "",
+             f"{args.dtype}, batch {args.batch}, prompt {args.prompt}, cache {args.cache_len}, abstract weights; "
+             f"compile seconds (optimised HLO characters, while loops, scratch MB); '-' = not reached in "
+             f"{args.timeout:.0f} s. Scratch that grows with --cache-len is a copy of the KV cache.", "",
              "| variant | status | " + " | ".join(steps) + " |", "|---|---|" + "---|" * len(steps)]
     for r in results:
         cells = []
         for s in steps:
             d = r["steps"].get(s)
-            cells.append("-" if d is None else f"{d['compile_s']:.1f} ({d['hlo_chars']:,}, {d['while_loops']})")
+            mb = "?" if d is None or d.get("temp_bytes") is None else f"{d['temp_bytes'] / 2**20:.1f}"
+            cells.append("-" if d is None else f"{d['compile_s']:.1f} ({d['hlo_chars']:,}, {d['while_loops']}, {mb})")
         lines.append(f"| {r['variant']} | {r['status']} | " + " | ".join(cells) + " |")
     if skipped:
         lines += ["", f"GPU-only variants skipped on {backend}: {', '.join(skipped)}."]

@@ -50,10 +50,17 @@ case "$step" in
       --name "perf-qwen3-8b-$mode" --out-dir "$OUT" --compilation-cache /tmp/jax-cache 2>&1 | tee "$OUT/perf-$mode.log"
     ;;
   probe)
-    # scanned layers compile one body whatever the depth: 4 layers probe the same body as 36, faster
-    python3 -m benchmarks.compile_probe --layers 4 --timeout 60 --dump \
-      --variants default,autotune-0,no-loop-unrolling,no-constant-folding,unrolled --out-dir "$OUT" 2>&1 \
-      | tee "$OUT/probe.log"
+    # scanned layers compile one body whatever the depth: 4 layers probe the same body as 36, faster.
+    # Then SmolLM2's steps at batch 128 (the data job's AR step took 0.3 s on an H100) at two cache
+    # lengths: scratch memory that grows with the cache is a per-step copy of it.
+    P=/tmp/probe && mkdir -p $P
+    python3 -m benchmarks.compile_probe --layers 4 --timeout 60 --dump --name probe-qwen3-8b \
+      --variants default,autotune-0,no-loop-unrolling,no-constant-folding,unrolled --out-dir $P 2>&1 | tee "$OUT/probe.log"
+    for c in 768 3072; do
+      python3 -m benchmarks.compile_probe --arch smollm2-135m --dtype float32 --batch 128 --prompt 128 --cache-len $c \
+        --variants default --timeout 90 --name probe-smollm2-b128-c$c --out-dir $P 2>&1 | tail -n 4 | tee -a "$OUT/probe.log"
+    done
+    tar cJf "$OUT/probe.tar.xz" -C $P .
     ;;
   *)
     echo "unknown step $step (check, perf, perf-xla, stash, probe)" >&2
