@@ -150,6 +150,9 @@ def run_variant(args, variant: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    # Compiles only: no process of the probe takes the GPU's memory up front (JAX's default), so the
+    # children's autotuning finds it free.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if args.child:
         return child(args)
     import jax
