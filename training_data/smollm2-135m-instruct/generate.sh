@@ -8,13 +8,14 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07 t07s3 t07s4; do
+for kind in greedy t07 t07s3 t07s4 c7 c8; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
   prompts=$here/magpie_prompts.jsonl.gz
   [ $kind = t07s3 ] && prompts=$here/magpie_prompts_s3.jsonl.gz  # its own self-written prompts (seed 3; 300 used)
   [ $kind = t07s4 ] && prompts=$here/magpie_prompts_s4.jsonl.gz  # likewise (seed 4)
+  case $kind in c7 | c8) prompts=$here/magpie_prompts_$kind.jsonl.gz ;; esac  # the chat sets' own
   if [ -f $prompts ] && [ ! -f runs/data/$kind.jsonl.magpie.jsonl ]; then
     gunzip -c $prompts > runs/data/$kind.jsonl.magpie.jsonl
   fi
@@ -33,3 +34,10 @@ python -m bastion_jax.train_drafter pack --data runs/data/t07s3.jsonl --out $her
 python -m bastion_jax.train_drafter data --out runs/data/t07s4.jsonl --num 3200 --seed 4 --temperature 0.7 \
   ${common/--magpie 1000/--magpie 300}
 python -m bastion_jax.train_drafter pack --data runs/data/t07s4.jsonl --out $here/t07s4.npz --vocab-size 49152
+# Chat-heavy sets (chat is where acceptance is lowest): only Magpie prompts, written on CPU for them
+# (seed 7: 1500, seed 8: 800; magpie_prompts_c7 / _c8), responses sampled at T = 0.7.
+chat="--sources --stdlib 0 --max-new-tokens 256 --batch-size 48 --temperature 0.7"
+python -m bastion_jax.train_drafter data --out runs/data/c7.jsonl --num 1500 --seed 7 --magpie 1500 $chat
+python -m bastion_jax.train_drafter pack --data runs/data/c7.jsonl --out $here/c7.npz --vocab-size 49152
+python -m bastion_jax.train_drafter data --out runs/data/c8.jsonl --num 800 --seed 8 --magpie 800 $chat
+python -m bastion_jax.train_drafter pack --data runs/data/c8.jsonl --out $here/c8.npz --vocab-size 49152
