@@ -70,25 +70,18 @@ def child(args) -> int:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.compile_time import abstract_pair
+    from benchmarks.compile_time import abstract_steps
     from bastion_jax import decoding, tree_decoding
-    from bastion_jax.modeling.cache import KVCache
     from bastion_jax.presets import preset_configs
-    from bastion_jax.sampling import SamplingConfig, sampler
-    from bastion_jax.step_config import StepConfig
 
     dtype = getattr(jnp, args.dtype)
     layers = args.layers or preset_configs(args.arch)[0].num_hidden_layers
     scan = {"yes": True, "no": False}.get(args.scan)  # None: the loaders' default layout
-    tdef, ddef, tparams, dparams, tcfg, dcfg = abstract_pair(args.arch, layers, dtype, scan)
-    cfg = StepConfig(target_def=tdef, drafter_def=ddef, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
-                     tap_layers=tuple(dcfg.target_layer_ids), buckets=(args.bucket,), top_k=8)
     b = args.batch
+    cfg, tparams, dparams, tcache, dcache, key, tcfg = abstract_steps(args.arch, layers, dtype, scan, args.bucket,
+                                                                      args.cache_len, b)
     rows = jax.ShapeDtypeStruct((b,), jnp.int32)
     flags = jax.ShapeDtypeStruct((b,), bool)
-    key = sampler(jax.random.PRNGKey(0), SamplingConfig())
-    tcache = jax.eval_shape(lambda: KVCache.create(tcfg, b, args.cache_len, dtype))
-    dcache = jax.eval_shape(lambda: KVCache.create(dcfg, b, args.cache_len, dtype))
     prompt = jax.ShapeDtypeStruct((b, args.prompt), jnp.int32)
     small = jax.ShapeDtypeStruct((b, 16), jnp.int32)
     state = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(cfg, *a)[0], tparams, dparams, tcache, dcache,

@@ -19,6 +19,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -54,12 +55,23 @@ def abstract_pair(arch: str, layers: int, dtype, scan: bool = False):
     return tdef, ddef, nnx.to_pure_dict(tstate), nnx.to_pure_dict(dstate), tcfg, dcfg
 
 
-def time_compiles(arch: str, layers: int, bucket: int, cache_len: int, dtype, scan: bool = False) -> dict:
-    """Lower and compile seconds of `decode` and `tree_step` (bucket) for one depth, from shapes only."""
-    import jax
-    import jax.numpy as jnp
+class AbstractSteps(NamedTuple):
+    """Everything a step's `lower` takes, as shapes: the static config, parameters, caches, a key."""
+    cfg: Any
+    tparams: Any
+    dparams: Any
+    tcache: Any
+    dcache: Any
+    key: Any
+    tcfg: Any
 
-    from bastion_jax import decoding, tree_decoding
+
+def abstract_steps(arch: str, layers: int, dtype, scan: bool | None, bucket: int, cache_len: int,
+                   batch: int = 1) -> AbstractSteps:
+    """The pair from shapes only (`abstract_pair`), its StepConfig with one tree bucket, caches of
+    `cache_len` slots for `batch` rows and a greedy key: what compile_time and compile_probe lower."""
+    import jax
+
     from bastion_jax.modeling.cache import KVCache
     from bastion_jax.sampling import SamplingConfig, sampler
     from bastion_jax.step_config import StepConfig
@@ -67,10 +79,21 @@ def time_compiles(arch: str, layers: int, bucket: int, cache_len: int, dtype, sc
     tdef, ddef, tparams, dparams, tcfg, dcfg = abstract_pair(arch, layers, dtype, scan)
     cfg = StepConfig(target_def=tdef, drafter_def=ddef, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
                      tap_layers=tuple(dcfg.target_layer_ids), buckets=(bucket,), top_k=8)
-    rows = jax.ShapeDtypeStruct((1,), jnp.int32)
     key = sampler(jax.random.PRNGKey(0), SamplingConfig())
-    tcache = jax.eval_shape(lambda: KVCache.create(tcfg, 1, cache_len, dtype))
-    dcache = jax.eval_shape(lambda: KVCache.create(dcfg, 1, cache_len, dtype))
+    tcache = jax.eval_shape(lambda: KVCache.create(tcfg, batch, cache_len, dtype))
+    dcache = jax.eval_shape(lambda: KVCache.create(dcfg, batch, cache_len, dtype))
+    return AbstractSteps(cfg, tparams, dparams, tcache, dcache, key, tcfg)
+
+
+def time_compiles(arch: str, layers: int, bucket: int, cache_len: int, dtype, scan: bool = False) -> dict:
+    """Lower and compile seconds of `decode` and `tree_step` (bucket) for one depth, from shapes only."""
+    import jax
+    import jax.numpy as jnp
+
+    from bastion_jax import decoding, tree_decoding
+
+    cfg, tparams, dparams, tcache, dcache, key, _ = abstract_steps(arch, layers, dtype, scan, bucket, cache_len)
+    rows = jax.ShapeDtypeStruct((1,), jnp.int32)
     out = {"layers": layers, "layout": "scanned" if scan else "unrolled"}
 
     def measure(name, fn, *args, **static):

@@ -280,7 +280,7 @@ def test_compile_probe_reports_each_variant_and_a_timeout(tmp_path):
 
     common = ["--arch", "smollm2-135m", "--layers", "1", "--prompt", "32", "--cache-len", "64", "--bucket", "4",
               "--dtype", "float32", "--out-dir", str(tmp_path)]
-    assert compile_probe.main([*common, "--variants", "default,unrolled,autotune-0", "--name", "cp"]) == 0
+    assert compile_probe.main([*common, "--scan", "yes", "--variants", "default,unrolled,autotune-0", "--name", "cp"]) == 0
     raw = json.loads((tmp_path / "cp.json").read_text())
     assert [v["variant"] for v in raw["variants"]] == ["default", "unrolled"]  # autotune-0: GPU only
     assert raw["meta"]["skipped_off_gpu"] == ["autotune-0"]
@@ -288,7 +288,7 @@ def test_compile_probe_reports_each_variant_and_a_timeout(tmp_path):
     for v in raw["variants"]:
         assert v["status"] == "ok" and list(v["steps"]) == steps
         assert all(finite_positive(d["compile_s"]) and d["hlo_chars"] > 0 for d in v["steps"].values())
-    assert raw["variants"][1]["info"]["scan"] is False
+    assert [v["info"]["scan"] for v in raw["variants"]] == [True, False]  # --scan yes, overridden by `unrolled`
     assert compile_probe.main([*common, "--variants", "default", "--timeout", "0.5", "--name", "cq"]) == 0
     (late,) = json.loads((tmp_path / "cq.json").read_text())["variants"]
     assert late["status"] == "timeout 0 s" and "| default | timeout 0 s |" in (tmp_path / "cq.md").read_text()

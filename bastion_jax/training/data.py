@@ -143,10 +143,9 @@ def generate_responses(engine, tokenizer, prompts: Sequence[tuple[str, str]], ou
         ids = encode_prompt(tokenizer, text, system=system)
         todo.append((source, ids[-max_prompt_tokens:] if len(ids) > max_prompt_tokens else ids))
     sampling = SamplingConfig(temperature=temperature)
-    # One KV cache length for every batch: sized per batch, each new longest prompt compiled a new
-    # decode step (tens of seconds each on a GPU, where it was most of the time of a batch).
-    limit = engine.target.config.max_position_embeddings
-    max_len = min(-(-(max_prompt_tokens + max_new_tokens) // 256) * 256, limit)
+    # One KV cache length for every batch, the engine's own size for the run's longest prompt: sized
+    # per batch, each new longest prompt compiled a new decode step (tens of seconds on a GPU).
+    max_len = engine.cache_len_for([len(ids) for _, ids in todo], max_new_tokens, None) if todo else None
     written = 0
     with open(out, "a") as f, tqdm(total=len(todo), disable=not progress, desc="responses", unit="prompt") as bar:
         for i in range(0, len(todo), batch_size):
