@@ -66,21 +66,28 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     # Depth 1: children of the root (on the chain, if there is one).
     s, idx = keep_best(on_lp[0])  # [m]
     tok = jnp.where(idx < k, top_tok[0][jnp.minimum(idx, k - 1)], -1)
-    level_scores, level_parent, level_tok = [s], [jnp.full((m,), -1, jnp.int32)], [tok]
-    on = (tok >= 0) & (tok == (chain.tokens[0] if chain is not None else -1))  # [m] still on the chain
-    for d in range(1, depth):
-        lp = jnp.where(on[:, None], on_lp[d][None, :], off_lp[d][None, :])  # [m, k]
-        cand = (level_scores[-1][:, None] + lp).reshape(-1)  # [m * k]
-        s, idx = keep_best(cand)
-        parent, rank = idx // k, idx % k
-        tok = top_tok[d][rank]
-        if chain is not None:
-            on = on[parent] & (tok == chain.tokens[d])
-        level_scores.append(s)
-        level_parent.append(parent.astype(jnp.int32))
-        level_tok.append(tok)
+    chain_tok = chain.tokens if chain is not None else jnp.full((depth,), -1, jnp.int32)  # [depth]
+    on = (tok >= 0) & (tok == chain_tok[0])  # [m] still on the chain
 
-    scores = jnp.concatenate(level_scores)  # [depth * m], candidate c = (d-1) * m + local
+    def deeper(carry, xs):
+        """One more depth: the top m of (kept parents) x (k tokens). A scan, not a Python loop: one
+        body to compile whatever the block size (XLA:GPU's compile time follows the kernel count)."""
+        prev, on = carry  # [m] scores, [m] bool
+        on_d, off_d, tok_d, chain_d = xs  # [k], [k], [k], []
+        lp = jnp.where(on[:, None], on_d[None, :], off_d[None, :])  # [m, k]
+        s, idx = keep_best((prev[:, None] + lp).reshape(-1))  # [m] of [m * k]
+        parent, rank = idx // k, idx % k
+        tok = tok_d[rank]
+        on = on[parent] & (tok == chain_d) if chain is not None else on
+        return (s, on), (s, parent.astype(jnp.int32), tok)
+
+    _, (deep_s, deep_parent, deep_tok) = jax.lax.scan(
+        deeper, (s, on), (on_lp[1:], off_lp[1:], top_tok[1:], chain_tok[1:]))  # each [depth - 1, m]
+    level_scores = [s[None], deep_s]
+    level_parent = [jnp.full((1, m), -1, jnp.int32), deep_parent]
+    level_tok = [tok[None], deep_tok]
+
+    scores = jnp.concatenate(level_scores).reshape(-1)  # [depth * m], candidate c = (d-1) * m + local
     cand_depth = jnp.repeat(jnp.arange(1, depth + 1, dtype=jnp.int32), m)
     # Global order: score descending, then depth ascending (parents before children on ties).
     order = jax.lax.sort((-scores, cand_depth, jnp.arange(depth * m, dtype=jnp.int32)), num_keys=2,
@@ -89,11 +96,11 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
 
     sel_scores = scores[order]
     sel_depth = cand_depth[order]
-    local_parent = jnp.concatenate(level_parent)[order]  # index within the previous depth's list
+    local_parent = jnp.concatenate(level_parent).reshape(-1)[order]  # index within the previous depth's list
     parent_cand = (sel_depth - 2) * m + local_parent
     parents = jnp.where(sel_depth == 1, 0, node_of[jnp.clip(parent_cand, 0, depth * m - 1)])
     valid = jnp.isfinite(sel_scores)
-    tokens = jnp.where(valid, jnp.concatenate(level_tok)[order], -1)
+    tokens = jnp.where(valid, jnp.concatenate(level_tok).reshape(-1)[order], -1)
     parents = jnp.where(valid, parents, 0)
 
     tree_tokens = jnp.concatenate([root[None].astype(jnp.int32), tokens.astype(jnp.int32)])
@@ -125,12 +132,13 @@ def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
     """[n, n] bool closure of the parent relation (self included): `max_depth` hops towards the root."""
     n = parents.shape[0]
     hop = jnp.where(parents < 0, jnp.arange(n), parents)  # root points at itself
-    anc = jnp.eye(n, dtype=bool)
-    cur = jnp.arange(n)
-    for _ in range(max_depth):
+
+    def up(_, carry):  # one hop for every node at once (a loop: one body to compile)
+        anc, cur = carry
         cur = hop[cur]
-        anc = anc.at[jnp.arange(n), cur].set(True)
-    return anc
+        return anc.at[jnp.arange(n), cur].set(True), cur
+
+    return jax.lax.fori_loop(0, max_depth, up, (jnp.eye(n, dtype=bool), jnp.arange(n)))[0]
 
 
 def surrogate_curve(tree: Tree, buckets: tuple[int, ...]) -> jax.Array:

@@ -17,17 +17,17 @@ def walk(tokens: jax.Array, parents: jax.Array, choices: jax.Array, max_depth: i
     Returns (path [max_depth + 1] node indices, root first; entries past `accepted` repeat the
     last node) and `accepted` (number of draft nodes on the path).
     """
-    cur = jnp.int32(0)
-    alive = jnp.bool_(True)
-    accepted = jnp.int32(0)
-    path = [cur]
-    for _ in range(max_depth):
-        match = (parents == cur) & (tokens == choices[cur])
+
+    def down(carry, _):  # one level deeper (a scan: one body to compile whatever the depth)
+        cur, alive, accepted = carry
+        match = (parents == cur) & (tokens == choices[cur])  # [n]
         alive = alive & match.any()
         cur = jnp.where(alive, jnp.argmax(match).astype(jnp.int32), cur)
-        accepted = accepted + alive.astype(jnp.int32)
-        path.append(cur)
-    return jnp.stack(path), accepted
+        return (cur, alive, accepted + alive.astype(jnp.int32)), cur
+
+    start = jnp.int32(0)
+    (_, _, accepted), path = jax.lax.scan(down, (start, jnp.bool_(True), jnp.int32(0)), length=max_depth)
+    return jnp.concatenate([start[None], path]), accepted
 
 
 def compact_cache(cache: KVCache, start: jax.Array, path: jax.Array, active: jax.Array | None = None) -> KVCache:
