@@ -122,6 +122,10 @@ class DrafterConfig:
     rope: RopeConfig = RopeConfig()
     attention_bias: bool = False  # q/k/v/o_proj carry biases (Qwen3 attention with attention_bias)
     hidden_act: str = "silu"  # MLP activation, one of DRAFTER_ACTIVATIONS (HF ACT2FN names)
+    # How the layers run, not a property of the checkpoint (never in config.json): one stacked module
+    # under a scan or unrolled, as the target's (`TargetConfig.scan_layers`; `load_drafter` follows
+    # the target's layout unless told otherwise).
+    scan_layers: bool = False
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], target: TargetConfig | None = None) -> "DrafterConfig":

@@ -212,7 +212,8 @@ def run_train(args, target, log) -> None:
     data = TokenDataset.from_files(args.data, cfg.seq_len, target.config.vocab_size)
     train, val = data.split(args.held_out)
     if args.init:
-        drafter = load_drafter(args.init, target.config, jnp.float32)
+        # unrolled layers: the trainer's checkpoints and warm start are per layer on every backend
+        drafter = load_drafter(args.init, target.config, jnp.float32, scan_layers=False)
     else:
         dcfg = drafter_config(target.config, args)
         dcfg.check_pair(target.config)

@@ -287,7 +287,7 @@ def test_compile_probe_reports_each_variant_and_a_timeout(tmp_path):
     steps = ["prefill", "tree_prefill", "decode", "tree_step(4)"]
     for v in raw["variants"]:
         assert v["status"] == "ok" and list(v["steps"]) == steps
-        assert all(finite_positive(d["compile_s"]) and d["hlo_chars"] > 0 for d in v["steps"].values())
+        assert all(finite_positive(d["compile_s"]) and d["hlo_chars"] > 0 and d["kernels"] > 0 for d in v["steps"].values())
     assert [v["info"]["scan"] for v in raw["variants"]] == [True, False]  # --scan yes, overridden by `unrolled`
     assert compile_probe.main([*common, "--variants", "default", "--timeout", "0.5", "--name", "cq"]) == 0
     (late,) = json.loads((tmp_path / "cq.json").read_text())["variants"]

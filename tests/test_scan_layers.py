@@ -165,3 +165,100 @@ def test_weights_layout_follows_the_backend():
     assert layer_layout(tcfg).weights_in_out is default_weights_in_out()
     assert layer_layout(tcfg, weights_in_out=False).weights_in_out is False
     assert "weights_in_out" not in tcfg.to_hf()  # a run-time choice, never written into a checkpoint
+
+
+@pytest.fixture(scope="module")
+def drafters(both, tmp_path_factory):
+    """(unrolled, scanned) loads of one exported 2-layer random drafter, beside the scanned target."""
+    from bastion_jax.checkpoints import export_zlab, load_drafter
+
+    flat, _ = both
+    made = random_drafter(tiny_drafter_config(flat.config, num_layers=2, block_size=4), jnp.float32, seed=5)
+    path = export_zlab(made.config, made.state, tmp_path_factory.mktemp("drafter"), jnp.float32)
+    return (load_drafter(path, flat.config, jnp.float32, scan_layers=False),
+            load_drafter(path, flat.config, jnp.float32, scan_layers=True))
+
+
+def test_drafter_layout_follows_the_target(both, drafters):
+    from bastion_jax.checkpoints import load_drafter
+
+    flat, scanned = both
+    unrolled_d, scanned_d = drafters
+    assert not unrolled_d.config.scan_layers and scanned_d.config.scan_layers
+    assert load_drafter(unrolled_d.path, scanned.config).config.scan_layers
+    assert not load_drafter(unrolled_d.path, flat.config).config.scan_layers
+    assert tiny_drafter_config(scanned.config).scan_layers and not tiny_drafter_config(flat.config).scan_layers
+    w = scanned_d.state["layers"]["mlp"]["up_proj"]["weight"][...]  # [layers, ...]: one stacked module
+    np.testing.assert_array_equal(np.asarray(w[1]), np.asarray(unrolled_d.state["layers"][1]["mlp"]["up_proj"]["weight"][...]))
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_scanned_drafter_equals_unrolled(drafters, cached):
+    """A drafting call (the prefill's, and a later one that reads the cache) and the trainer's
+    many-block forward give the same states and cache with the layers scanned."""
+    unrolled_d, scanned_d = drafters
+    cfg = unrolled_d.config
+    rng = np.random.default_rng(1)
+    b, c, blk = 2, 6, cfg.block_size
+    feats = jnp.asarray(rng.normal(size=(b, c, len(cfg.target_layer_ids) * cfg.target_hidden_size)), jnp.float32)
+    emb = jnp.asarray(rng.normal(size=(b, blk, cfg.hidden_size)), jnp.float32)
+    start = jnp.asarray([3, 5], jnp.int32) if cached else None
+    lens = jnp.asarray([6, 4], jnp.int32)
+    outs = []
+    for d in drafters:
+        model = nnx.merge(d.graphdef, d.state)
+        cache = KVCache.create(cfg, b, 32, jnp.float32)
+        if cached:  # something already in the cache for the call to read
+            cache = model.inject(feats[:, ::-1], jnp.zeros(b, jnp.int32), cache, jnp.float32)
+        h, cache = model(emb, feats, start, lens, cache)
+        pos = jnp.broadcast_to(jnp.arange(c, c + blk)[None], (b, blk))
+        mask = jnp.ones((b, blk, c + blk), bool)
+        outs.append((h, cache.k, cache.v, model.forward_blocks(emb, pos, feats, mask)))
+    for x, y in zip(*outs):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+def test_scanned_pair_greedy_equals_ar_and_exports_per_layer(both, drafters, tmp_path):
+    """Scanned target + scanned drafter: chain and tree decoding give the unrolled AR tokens, and the
+    scanned drafter exports the z-lab per-layer tensors byte for byte."""
+    from safetensors.numpy import load_file
+
+    from bastion_jax.checkpoints import export_zlab
+
+    flat, scanned = both
+    unrolled_d, scanned_d = drafters
+    want = Engine(flat, stop_ids=[-1]).generate(PROMPTS, max_new_tokens=14).tokens
+    engine = Engine(scanned, drafter=scanned_d, stop_ids=[-1], buckets=(1, 4, 8))
+    for mode in ("dflash", "fixed:8", "bastion"):
+        assert engine.generate(PROMPTS, max_new_tokens=14, mode=mode).tokens == want, mode
+    a = load_file(str(export_zlab(scanned_d.config, scanned_d.state, tmp_path / "s", jnp.float32) / "model.safetensors"))
+    b = load_file(str(export_zlab(unrolled_d.config, unrolled_d.state, tmp_path / "u", jnp.float32) / "model.safetensors"))
+    assert a.keys() == b.keys() and any(".1." in k for k in a)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_scanned_drafter_kernels_do_not_grow_with_depth(both):
+    """One compiled layer body whatever the drafter's depth (the GPU layout), where unrolled layers
+    add ~70 kernels each (XLA:GPU's compile time follows the kernel count)."""
+    import dataclasses
+
+    from benchmarks.compile_probe import count_kernels
+    from bastion_jax.modeling.drafter import Drafter
+
+    _, scanned = both
+
+    def kernels(layers: int, scan: bool) -> int:
+        cfg = dataclasses.replace(tiny_drafter_config(scanned.config, num_layers=layers, block_size=4), scan_layers=scan)
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Drafter(cfg, rngs=nnx.Rngs(0))))
+        cache = jax.eval_shape(lambda: KVCache.create(cfg, 1, 32, jnp.float32))
+        feats = jax.ShapeDtypeStruct((1, 8, len(cfg.target_layer_ids) * cfg.target_hidden_size), jnp.float32)
+        rows = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+        def call(state, cache, feats, start, lens):
+            emb = jnp.zeros((1, cfg.block_size, cfg.hidden_size), jnp.float32)
+            return nnx.merge(graphdef, state)(emb, feats, start, lens, cache)
+
+        return count_kernels(jax.jit(call).lower(state, cache, feats, rows, rows).compile().as_text())
+
+    assert kernels(2, True) == kernels(5, True) < kernels(5, False)

@@ -91,3 +91,23 @@ def test_batched_with_vmap():
         single = build_tree(roots[i], lps[i], 10, 4)
         for a, b in zip(batched, single):
             np.testing.assert_array_equal(np.asarray(a)[i], np.asarray(b))
+
+
+def test_tree_code_compiles_to_the_same_kernels_whatever_the_depth():
+    """Tree build, ancestor mask and accept walk loop over the block's depths (scan / fori_loop), so
+    a deeper block adds no kernels: XLA:GPU's compile time follows the kernel count (an unrolled
+    depth loop made tree steps compile for minutes at 8B shapes on an H100)."""
+    from benchmarks.compile_probe import count_kernels
+    from bastion_jax.verify import walk
+
+    def kernels(depth: int) -> int:
+        lp = jax.ShapeDtypeStruct((2, depth, 64), jnp.float32)
+        ints = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+
+        def step(lp, root, choices):
+            tree = jax.vmap(build_tree, in_axes=(0, 0, None, None))(root, lp, 16, 4)
+            return tree, jax.vmap(walk, in_axes=(0, 0, 0, None))(tree.tokens, tree.parents, choices, depth)
+
+        return count_kernels(jax.jit(step).lower(lp, jax.ShapeDtypeStruct((2,), jnp.int32), ints).compile().as_text())
+
+    assert kernels(4) == kernels(12) > 0

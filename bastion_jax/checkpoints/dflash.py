@@ -17,7 +17,7 @@ from flax import nnx
 from bastion_jax.config import ConfigError, TargetConfig
 from bastion_jax.dflash_config import DrafterConfig
 from bastion_jax.checkpoints.errors import ConversionError
-from bastion_jax.checkpoints.params import build_params, path_to_name
+from bastion_jax.checkpoints.params import build_params, path_to_name, unstack_layers
 
 
 def is_dflash_config(hf: dict[str, Any]) -> bool:
@@ -43,7 +43,7 @@ def export_zlab(cfg: DrafterConfig, state: nnx.State, out: str | Path, dtype: jn
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+    flat = jax.tree_util.tree_flatten_with_path(unstack_layers(nnx.to_pure_dict(state)))[0]  # per layer, as z-lab names them
     tensors = {path_to_name(tuple(getattr(k, "key", k) for k in kp)): np.asarray(jnp.asarray(v, dtype))
                for kp, v in flat}
     save_file(tensors, str(out / "model.safetensors"))

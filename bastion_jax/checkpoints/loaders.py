@@ -148,12 +148,15 @@ def default_weights_in_out() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def layer_layout(cfg: TargetConfig, scan_layers: bool | None = None,
-                 weights_in_out: bool | None = None) -> TargetConfig:
-    """`cfg` with its layers scanned or unrolled (`scan_layers`, None: `default_scan_layers()`) and its
-    layers' linear weights [in, out] or HF's [out, in] (`weights_in_out`, None:
-    `default_weights_in_out()`)."""
-    return dataclasses.replace(cfg, scan_layers=default_scan_layers() if scan_layers is None else scan_layers,
+def layer_layout(cfg: TargetConfig | DrafterConfig, scan_layers: bool | None = None,
+                 weights_in_out: bool | None = None):
+    """`cfg` with its layers scanned or unrolled (`scan_layers`, None: `default_scan_layers()`) and, for
+    a target, its layers' linear weights [in, out] or HF's [out, in] (`weights_in_out`, None:
+    `default_weights_in_out()`; a drafter's stay [out, in])."""
+    scan = default_scan_layers() if scan_layers is None else scan_layers
+    if isinstance(cfg, DrafterConfig):
+        return dataclasses.replace(cfg, scan_layers=scan)
+    return dataclasses.replace(cfg, scan_layers=scan,
                                weights_in_out=default_weights_in_out() if weights_in_out is None else weights_in_out)
 
 
@@ -192,10 +195,13 @@ def load_target(path: str | Path, dtype: jnp.dtype | None = None, scan_layers: b
     return Target(cfg, graphdef, state, tokenizer_dir=path, path=path)
 
 
-def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None = None) -> LoadedDrafter:
+def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None = None,
+                 scan_layers: bool | None = None) -> LoadedDrafter:
     """Load a converted drafter or a z-lab DFlash checkpoint dir; checks it fits `target`. `dtype`
     as in `load_target` (None: the checkpoint's own); `generate` passes the target's dtype on purpose,
-    since the drafter reads the target's features and shares its LM head."""
+    since the drafter reads the target's features and shares its LM head. `scan_layers`: run its
+    layers under a scan (stacked parameters) or unrolled; None follows `target.scan_layers`, since
+    both run inside the same steps (the trainer asks for unrolled layers)."""
     from bastion_jax.checkpoints import ConversionError
     from bastion_jax.checkpoints.dflash import load_zlab_params
 
@@ -206,6 +212,7 @@ def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None
         hf = read_config_json(path / "config.json")
         cfg = DrafterConfig.from_hf(hf, target)
         cfg.check_pair(target)
+        cfg = dataclasses.replace(cfg, scan_layers=target.scan_layers if scan_layers is None else scan_layers)
         if "bastion_jax" in hf:
             graphdef, state = _restore(path, hf, "drafter", cfg, dtype)
         else:

@@ -83,7 +83,10 @@ class Drafter(nnx.Module):
         n_feat = len(cfg.target_layer_ids) * cfg.target_hidden_size
         self.fc = Linear(n_feat, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.layers = nnx.List([DrafterLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+        if cfg.scan_layers:  # `layers.<HF name>` [num_layers, ...], run under a scan
+            self.layers = stacked_drafter_layers(cfg, dtype, rngs)
+        else:  # `layers[i].<HF name>`
+            self.layers = nnx.List([DrafterLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def __call__(self, block_emb: jax.Array, ctx_features: jax.Array, ctx_start: jax.Array | None,
@@ -112,12 +115,14 @@ class Drafter(nnx.Module):
         new_visible = jnp.arange(c)[None, :] < ctx_len[:, None]  # [b, C]: the real new context rows
         mask = jnp.concatenate([jnp.broadcast_to(new_visible[:, None, :], (b, block, c)),
                                 jnp.ones((b, block, block), bool)], axis=-1)  # [b, B, C + B]
-        kv = [layer.self_attn.context_kv(x_ctx, rope_ctx) for layer in self.layers]  # [b, C, kv_heads, d] each
-        cache = self._write_context(cache, kv, ctx_start, active)
-        h = block_emb
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope_blk, *kv[i], mask, (*cache.layer(i), None if empty else ctx_start))  # cache slots < ctx_start
-        return self.norm(h), cache
+        k_all, v_all = self.context_kv(x_ctx, rope_ctx)  # [layers, b, C, kv_heads, d]
+        cache = cache.write_all(k_all, v_all, ctx_start, active)  # every layer before any layer reads
+        read_len = None if empty else ctx_start  # cache slots < ctx_start
+
+        def run(layer, h, k, v, i):
+            return layer(h, rope_blk, k, v, mask, (*cache.layer(i), read_len))
+
+        return self.norm(self._over_layers(run, block_emb, k_all, v_all)), cache
 
     def inject(self, ctx_features: jax.Array, ctx_start: jax.Array, cache: KVCache, dtype: jnp.dtype,
                active: jax.Array | None = None) -> KVCache:
@@ -128,18 +133,39 @@ class Drafter(nnx.Module):
         inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim)
         rope_ctx = rope_cos_sin(inv_freq, ctx_start[:, None] + jnp.arange(c)[None], dtype)
         x_ctx = self.project(ctx_features.astype(dtype))  # [b, C, h]
-        kv = [layer.self_attn.context_kv(x_ctx, rope_ctx) for layer in self.layers]  # [b, C, kv_heads, d] each
-        return self._write_context(cache, kv, ctx_start, active)
+        return cache.write_all(*self.context_kv(x_ctx, rope_ctx), ctx_start, active)
 
-    @staticmethod
-    def _write_context(cache: KVCache, kv: list[tuple[jax.Array, jax.Array]], ctx_start: jax.Array,
-                       active: jax.Array | None) -> KVCache:
-        """Every layer's context K/V written in one scatter, before any layer reads the cache. (A layer's
-        context K/V does not depend on the layer below, so written one layer at a time XLA may schedule
-        layer i + 1's write before layer i's read and then copies the whole stacked cache to keep both.)"""
-        k = jnp.stack([k for k, _ in kv])  # [layers, b, C, kv_heads, d]
-        v = jnp.stack([v for _, v in kv])
-        return cache.write_all(k, v, ctx_start, active)
+    def context_kv(self, x_ctx: jax.Array, rope_ctx: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """Every layer's context K/V from projected features x_ctx [b, C, h]: [layers, b, C, kv_heads, d]
+        each, written to the cache in one scatter before any layer reads it. (A layer's context K/V does
+        not depend on the layer below, so written one layer at a time XLA may schedule layer i + 1's
+        write before layer i's read and then copies the whole stacked cache to keep both.)"""
+        if not self.config.scan_layers:
+            kv = [layer.self_attn.context_kv(x_ctx, rope_ctx) for layer in self.layers]
+            return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
+        graphdef, stacked = nnx.split(self.layers)
+
+        def one(_, params):
+            return None, nnx.merge(graphdef, params).self_attn.context_kv(x_ctx, rope_ctx)
+
+        return jax.lax.scan(one, None, stacked)[1]
+
+    def _over_layers(self, run, h: jax.Array, k_all: jax.Array, v_all: jax.Array) -> jax.Array:
+        """h through every layer, `run(layer, h, ctx_k, ctx_v, i)` each, with layer i's context K/V
+        k_all[i] / v_all[i]: a Python loop over `nnx.List` layers, or one scanned body over the stacked
+        layers (`scan_layers`: XLA:GPU's compile time follows the kernel count, ~70 per layer)."""
+        if not self.config.scan_layers:
+            for i, layer in enumerate(self.layers):
+                h = run(layer, h, k_all[i], v_all[i], i)
+            return h
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(h, xs):
+            params, k, v, i = xs
+            return run(nnx.merge(graphdef, params), h, k, v, i), None
+
+        n = self.config.num_hidden_layers
+        return jax.lax.scan(body, h, (stacked, k_all, v_all, jnp.arange(n)))[0]
 
     def project(self, features: jax.Array) -> jax.Array:
         """Fused target features [..., n_taps * target_hidden] -> drafter context states [..., h]."""
@@ -162,8 +188,21 @@ class Drafter(nnx.Module):
         ctx_pos = jnp.broadcast_to(jnp.arange(s_len)[None], ctx_features.shape[:2])
         rope_ctx = rope_cos_sin(inv_freq, ctx_pos, dtype)
         x_ctx = self.project(ctx_features.astype(dtype))  # [b, S, h]
-        h = block_emb
-        for layer in self.layers:
-            k_ctx, v_ctx = layer.self_attn.context_kv(x_ctx, rope_ctx)
-            h = layer(h, rope_blk, k_ctx, v_ctx, mask)
-        return self.norm(h)
+        k_all, v_all = self.context_kv(x_ctx, rope_ctx)  # [layers, b, S, kv_heads, d]
+
+        def run(layer, h, k, v, i):
+            return layer(h, rope_blk, k, v, mask)
+
+        return self.norm(self._over_layers(run, block_emb, k_all, v_all))
+
+
+def stacked_drafter_layers(cfg: DrafterConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> DrafterLayer:
+    """All drafter layers as one `DrafterLayer` whose parameters carry a leading [num_layers] axis,
+    each initialised with its own key: what `Drafter` scans over when `cfg.scan_layers`."""
+
+    @nnx.split_rngs(splits=cfg.num_hidden_layers)
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(r: nnx.Rngs) -> DrafterLayer:
+        return DrafterLayer(cfg, dtype=dtype, rngs=r)
+
+    return make(rngs)
