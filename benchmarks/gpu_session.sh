@@ -8,18 +8,23 @@
 #   bash benchmarks/gpu_session.sh stash    # keep the carried GGUF piece (.device/pI) for the drafter job
 #
 #   bash benchmarks/gpu_session.sh probe    # compile times of the steps under XLA flag variants (compile_probe)
+#   bash benchmarks/gpu_session.sh arbatch  # SmolLM2 AR decode at batch 128: the step alone vs the engine
 #
-# A 15-minute lease (two so far, 2026-11-26: an H200, then an H100; a start took ~30-60 s). Both
-# times perf_8b got no figure: `jit_tree_prefill` at Qwen3-8B shapes compiled for > 200 s on the GPU
-# (6.4 s on the 2-core CPU). So, after running `training_data/smollm2-135m-instruct/device_pieces.sh`
-# here (it says how many pieces the GGUF needs: three since 2026-11-26), back to back:
-#   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && bash benchmarks/gpu_session.sh probe`,
-#      timeout ~360 s: which XLA:GPU pass the compile time is in (a row per variant);
-#   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash`, and if a probe variant was fast,
-#      `XLA_FLAGS=<its flags> bash benchmarks/gpu_session.sh perf` in the same call;
+# A 15-minute lease (three so far, 2026-11-26: an H200, then two H100s; a start took ~30-60 s). No
+# perf_8b figure yet: `jit_tree_prefill` at Qwen3-8B shapes compiled for > 200 s on the GPU, and no
+# XLA flag helped (third lease, `benchmarks/results/h100-2026-11-26-lease2.md`); since then the tree
+# code loops over depths and the drafter's layers are scanned (tree_prefill 645 -> 291 kernels,
+# tree_step 816 -> 375, counted on CPU). The AR data job ran ~0.3 s per step with other processes on
+# the GPU; both GPU jobs now run one process at a time. So, after running
+# `training_data/smollm2-135m-instruct/device_pieces.sh` here (three pieces since 2026-11-26), back to back:
+#   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && bash benchmarks/gpu_session.sh probe &&
+#      bash benchmarks/gpu_session.sh arbatch`, timeout ~300 s: does tree_prefill compile now (kernels,
+#      seconds), and the AR step alone at batch 128;
+#   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash`, and if tree_prefill compiled in the
+#      probe, `bash benchmarks/gpu_session.sh perf` in the same call (timeout ~300 s);
 #   3. carry the last piece: `bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS`, SECONDS
-#      about 60 under the lease's budget_left_s (status), which covers the transfers. (It continues the
-#      committed part-made sets t07s5 / g6 first: one cache length per set now, so one compile.)
+#      about 60 under the lease's budget_left_s (status), which covers the transfers (data first if
+#      the AR step was fast alone: DATA_S=0 skips it).
 #
 # Nothing is installed: the machine's image has JAX (CUDA), Flax, Optax, Orbax, safetensors and
 # tokenizers, and random-weight runs need nothing else (gguf is imported only to read a GGUF). The
@@ -30,7 +35,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-benchmarks/results}"
 mkdir -p "$OUT"
-step="${1:?usage: gpu_session.sh check|perf|perf-xla|stash|probe}"
+step="${1:?usage: gpu_session.sh check|perf|perf-xla|stash|probe|arbatch}"
 
 case "$step" in
   check)
@@ -51,19 +56,20 @@ case "$step" in
     ;;
   probe)
     # scanned layers compile one body whatever the depth: 4 layers probe the same body as 36, faster.
-    # Then SmolLM2's steps at batch 128 (the data job's AR step took 0.3 s on an H100) at two cache
-    # lengths: scratch memory that grows with the cache is a per-step copy of it.
-    P=/tmp/probe && mkdir -p $P
-    python3 -m benchmarks.compile_probe --layers 4 --timeout 60 --dump --name probe-qwen3-8b \
-      --variants default,autotune-0,no-loop-unrolling,no-constant-folding,unrolled --out-dir $P 2>&1 | tee "$OUT/probe.log"
-    for c in 768 3072; do
-      python3 -m benchmarks.compile_probe --arch smollm2-135m --dtype float32 --batch 128 --prompt 128 --cache-len $c \
-        --variants default --timeout 90 --name probe-smollm2-b128-c$c --out-dir $P 2>&1 | tail -n 4 | tee -a "$OUT/probe.log"
-    done
-    tar cJf "$OUT/probe.tar.xz" -C $P .
+    # (The third lease ran every flag variant: none rescued tree_prefill; the default alone now, to
+    # see what the depth loops and the scanned drafter did.) Then SmolLM2's steps at batch 128.
+    python3 -m benchmarks.compile_probe --layers 4 --timeout 120 --name probe-qwen3-8b --variants default \
+      --out-dir "$OUT" 2>&1 | tee "$OUT/probe.log"
+    python3 -m benchmarks.compile_probe --arch smollm2-135m --dtype float32 --batch 128 --prompt 128 --cache-len 768 \
+      --variants default --timeout 90 --name probe-smollm2-b128 --out-dir "$OUT" 2>&1 | tail -n 4 | tee -a "$OUT/probe.log"
+    ;;
+  arbatch)
+    # the data job's shapes; its float32 products are exact (no TF32), as the data job sets
+    JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m benchmarks.ar_batch_probe --batch 128 --cache-len 768 \
+      --name ar-batch128-smollm2 --out-dir "$OUT" 2>&1 | tee "$OUT/arbatch.log"
     ;;
   *)
-    echo "unknown step $step (check, perf, perf-xla, stash, probe)" >&2
+    echo "unknown step $step (check, perf, perf-xla, stash, probe, arbatch)" >&2
     exit 2
     ;;
 esac

@@ -6,6 +6,7 @@ import json
 import math
 import re
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -329,3 +330,19 @@ def test_perf_8b_floor_counts_the_weights_a_step_reads(converted, arch, tied):
     table = torch_model.get_input_embeddings().weight.numel() * 4
     assert ("lm_head" not in target.state) == tied
     assert step_weight_bytes(target) == (every if tied else every - table)
+
+
+def test_ar_batch_probe_times_the_step_alone_and_the_engine(tmp_path):
+    """Every variant the backend has (the Pallas kernel only on GPU) and the engine's loop get a time."""
+    from benchmarks import ar_batch_probe
+
+    assert ar_batch_probe.main(["--layers", "2", "--batch", "3", "--prompt", "8", "--cache-len", "32", "--steps", "3",
+                                "--name", "ab", "--out-dir", str(tmp_path)]) == 0
+    raw = json.loads((tmp_path / "ab.json").read_text())
+    want = {"step[xla]", "step-read[xla]", "engine"}
+    if jax.default_backend() == "gpu":
+        want |= {"step[pallas]", "step-read[pallas]"}
+    assert set(raw["ms_per_step"]) == want and all(finite_positive(v) for v in raw["ms_per_step"].values())
+    assert raw["meta"]["batch"] == 3 and "| engine |" in (tmp_path / "ab.md").read_text()
+    with pytest.raises(SystemExit, match="shorter than"):
+        ar_batch_probe.main(["--layers", "1", "--batch", "1", "--prompt", "30", "--cache-len", "32", "--steps", "3"])

@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # Drafter training on a lent GPU (issue 13), inside ONE device command of BUDGET seconds:
-#   1. more target-written data, alone on the GPU: two new sets generated side by side (seeds 5 and 6:
+#   1. more target-written data, alone on the GPU: two new sets generated one after the other (seeds 5 and 6:
 #      other gsm8k_train / code_alpaca prompts, their committed Magpie prompts; T = 0.7 and greedy;
 #      seed 3 is generate.sh's, on CPU), time-boxed; a set committed part-way is continued;
-#   2. two drafters trained side by side on the committed sets + the new ones, with soft labels
-#      (--distill 0.5, as drafter v8) and seq_len 384 (the sets average ~255 tokens), each stopped by
-#      --max-seconds (the learning rate anneals on wall time, so a cut run still ends annealed):
-#        a: the shipped 2-layer drafter continued (same CPU draft cost, more data),
-#        b: a 4-layer drafter from the target's top layers (the issue's "aim higher");
+#   2. the shipped 2-layer drafter continued on the committed sets + the new ones, with soft labels
+#      (--distill 0.5, as drafter v8) and seq_len 384 (the sets average ~255 tokens), stopped by
+#      --max-seconds (the learning rate anneals on wall time, so a cut run still ends annealed);
+#      DEEP=1 also trains b: a 4-layer drafter from the target's top layers (the issue's "aim higher");
 #   3. the new data (packed .npz + Magpie prompts), the best export of each drafter, metrics and
 #      logs in one tar, split into 15 MB pieces under $OUT (what the device tool brings back).
 #
@@ -93,9 +92,12 @@ from bastion_jax.train_drafter import main; sys.exit(main(sys.argv[1:]))" \
     --max-new-tokens "$MAXNEW" --batch-size "$BS" >> "$W/logs/data-$1.log" 2>&1
   echo "$1 exit $?" >> "$W/logs/data-$1.log"
 }
-log "data: 2 sets of up to $NUM prompts, ${DATA_S}s"
-gen t07s5 5 0.7 & gen g6 6 0.0 &
-wait
+log "data: 2 sets of up to $NUM prompts, ${DATA_S}s, one after the other"
+# One process on the GPU at a time: two generators side by side (and earlier, a generator beside two
+# trainers) ran ~0.3 s per decode step, the GPU time-slicing between processes whose steps are
+# hundreds of small kernels each (`benchmarks/ar_batch_probe.py` times the step alone).
+DATA_S=$(( DATA_S / 2 ))
+if [ "$DATA_S" -gt 20 ]; then gen t07s5 5 0.7; gen g6 6 0.0; fi
 new=()
 for name in t07s5 g6; do
   f=$W/$name.jsonl
@@ -149,8 +151,11 @@ done
 common=(--target "$TARGET" --data "${sets[@]}" "${new[@]}" --block-size 16
         --seq-len 384 --anchors 64 --batch-size "$TBS" --distill 0.5 --held-out 128 --eval-every 200 --save-every 1000
         --steps "$STEPS" --no-feature-cache)
+# One trainer (the GPU time-slices between processes): the shipped drafter continued; with DEEP=1 a
+# 4-layer drafter from the target's top layers trains beside it (766 steps reached tau 1.52 on an
+# H100 where the continued one had 2.34: far behind at a lease's length).
 train v9a "${common[@]}" --init bastion_jax/assets/smollm2-135m-instruct-dflash --lr 3e-4 &
-train v9b "${common[@]}" --layers 4 --init-from-target --lr 6e-4 &
+[ "${DEEP:-0}" = 1 ] && train v9b "${common[@]}" --layers 4 --init-from-target --lr 6e-4 &
 wait
 log "training done"
 for name in t07s5 g6; do
