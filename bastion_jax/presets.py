@@ -120,4 +120,6 @@ def tiny_drafter_config(target, num_layers: int = 1, block_size: int = 8, interm
     What `--drafter random` builds, and what the tests draft with."""
     cfg = DrafterConfig.for_target(target, num_layers=num_layers, block_size=block_size, num_taps=num_taps,
                                    intermediate_size=intermediate_size or 2 * target.hidden_size)
-    return dataclasses.replace(cfg, scan_layers=target.scan_layers)  # laid out as the target it runs beside
+    from bastion_jax.checkpoints import layer_layout
+
+    return layer_layout(cfg, target.scan_layers)  # laid out as the target it runs beside

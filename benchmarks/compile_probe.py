@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in steps:
             d = r["steps"].get(s)
             mb = "?" if d is None or d.get("temp_bytes") is None else f"{d['temp_bytes'] / 2**20:.1f}"
-            cells.append("-" if d is None else f"{d['compile_s']:.1f} ({d.get('kernels', '?')}, {d['while_loops']}, {mb})")
+            cells.append("-" if d is None else f"{d['compile_s']:.1f} ({d['kernels']}, {d['while_loops']}, {mb})")
         lines.append(f"| {r['variant']} | {r['status']} | " + " | ".join(cells) + " |")
     if skipped:
         lines += ["", f"GPU-only variants skipped on {backend}: {', '.join(skipped)}."]

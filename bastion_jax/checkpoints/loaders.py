@@ -212,7 +212,7 @@ def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None
         hf = read_config_json(path / "config.json")
         cfg = DrafterConfig.from_hf(hf, target)
         cfg.check_pair(target)
-        cfg = dataclasses.replace(cfg, scan_layers=target.scan_layers if scan_layers is None else scan_layers)
+        cfg = layer_layout(cfg, target.scan_layers if scan_layers is None else scan_layers)
         if "bastion_jax" in hf:
             graphdef, state = _restore(path, hf, "drafter", cfg, dtype)
         else:
