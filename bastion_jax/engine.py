@@ -255,7 +255,9 @@ class Engine:
                 gate = DraftGate(self.buckets, latency.step_time, tree_decoding.pending_slots(self.block_size),
                                  self.block_size, held_rows=max(chains, default=1))
                 # What the gate learnt of this drafter's acceptance carries over to the next request.
-                gate.rho, gate.a_bar = self._gate_memory.get("rho", gate.rho), self._gate_memory.get("a_bar")
+                gate.accepted_ema, gate.surrogate_ema, gate.verified = self._gate_memory.get(
+                    "calibration", (gate.accepted_ema, gate.surrogate_ema, gate.verified))
+                gate.a_bar = self._gate_memory.get("a_bar")
                 # So does how long drafting has been failing (the probe interval): a request whose first
                 # tree or lookup chain pays drafts at once whatever the interval (`DraftGate.use_tree`,
                 # `root_then`), while text like the last request's is not probed from 4 again.
@@ -366,7 +368,8 @@ class Engine:
         stats.compilations += self.compilations - before
         stats.compilations_after_warmup += compile_counter.compilations() - compiled_before_loop
         if policy.kind == "bastion" and gate is not None:
-            self._gate_memory.update(rho=gate.rho, a_bar=gate.a_bar, probe=gate.probe)
+            self._gate_memory.update(calibration=(gate.accepted_ema, gate.surrogate_ema, gate.verified), a_bar=gate.a_bar,
+                                     probe=gate.probe)
             stats.chain_steps += gate.chained
         if controller is not None:
             for b, n in controller.histogram.items():

@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "roofline, profiling nothing (tau columns do not depend on prices)")
     p.add_argument("--name", help="results file name (default <backend>-smollm2-gate-headroom)")
     p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--save-tables", help="also write every answer's acceptance table and step prices to this .npz "
+                   "(to replay other policies offline: `load_tables`)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -204,6 +206,44 @@ class Prices:
         return self.root(True, t) if b == 1 else self.latency.step_time(b, self.context(t), True)
 
 
+class TablePrices(Prices):
+    """`Prices` read back from a saved table: step_time(b, c, draft) at the answer's contexts only."""
+
+    def __init__(self, times: np.ndarray, buckets, prompt_len: int):  # times [T, 1 + n_buckets, 2]
+        self.times, self.buckets, self.prompt_len = times, tuple(int(b) for b in buckets), prompt_len
+        self.latency = self
+        self._col = {b: i + 1 for i, b in enumerate(self.buckets)} | {0: 0}
+
+    def step_time(self, b: int, c: int, draft: bool) -> float:
+        return float(self.times[c - self.prompt_len - 1, self._col[b], int(draft)])
+
+    def predict(self, b: int, c: int) -> float:
+        return self.step_time(b, c, True)
+
+
+def table_record(acc: np.ndarray, sur: np.ndarray, prices: Prices) -> dict[str, np.ndarray]:
+    """One answer's table and the step prices at each of its positions (`TablePrices` reads them)."""
+    lat = prices.latency
+    times = np.array([[[lat.step_time(b, prices.context(t), d) for d in (False, True)]
+                       for b in (0,) + tuple(prices.buckets)] for t in range(len(acc))])  # [T, 1 + n_buckets, 2]
+    return {"acc": acc, "sur": sur, "times": times, "prompt_len": np.asarray(prices.prompt_len)}
+
+
+def save_tables(path, buckets: tuple[int, ...], records: dict[str, dict[str, np.ndarray]]) -> None:
+    """`table_record`s by "set/k" into one .npz (`load_tables` reads it back)."""
+    np.savez_compressed(path, buckets=np.asarray(buckets), **{
+        f"{key}:{field}": v for key, rec in records.items() for field, v in rec.items()})
+
+
+def load_tables(path) -> tuple[tuple[int, ...], dict[str, tuple[np.ndarray, np.ndarray, TablePrices]]]:
+    """(buckets, {"set/k": (accepted, surrogate, prices)}) from `--save-tables`."""
+    z = np.load(path)
+    buckets = tuple(int(b) for b in z["buckets"])
+    keys = sorted({k.rsplit(":", 1)[0] for k in z.files if ":" in k})
+    return buckets, {k: (z[f"{k}:acc"], z[f"{k}:sur"], TablePrices(z[f"{k}:times"], buckets, int(z[f"{k}:prompt_len"])))
+                     for k in keys}
+
+
 # -- main -------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,16 +278,19 @@ def main(argv: list[str] | None = None) -> int:
 
     policies = ["ar"] + [f"fixed:{b}" for b in fixed] + ["gate", "oracle"]
     report: dict[str, dict[str, dict[str, float]]] = {}
+    saved: dict[str, dict[str, np.ndarray]] = {}
     for name, texts in sets.items():
         ids = [encode_prompt(tokenizer, p) for p in texts]
         answers = engine.generate(ids, max_new_tokens=args.max_new_tokens, mode="ar").tokens
         tot = {p: [0.0, 0] for p in policies}  # seconds, steps
         tokens = 0
-        for prompt, answer in zip(ids, answers):
+        for k, (prompt, answer) in enumerate(zip(ids, answers)):
             if len(answer) < 2:
                 continue
             acc, sur = acceptance_table(trees, buckets, args.max_new_tokens, prompt, answer)
             prices = Prices(engine.latency, buckets, len(prompt))
+            if args.save_tables:
+                saved[f"{name}/{k}"] = table_record(acc, sur, prices)
             runs = {"ar": (sum(prices.root(False, t) for t in range(len(acc))), len(acc)),
                     "gate": replay_gate(acc, sur, prices, engine),
                     "oracle": (replay_oracle(acc, prices), 0)}
@@ -272,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {set_name} | " + " | ".join(
             f"{rows[p]['speed_over_ar']:.2f}" + (f" ({rows[p]['tau']:.2f})" if p != "oracle" else "")
             for p in policies) + " |")
+    if args.save_tables:
+        save_tables(args.save_tables, buckets, saved)
+        log(f"wrote {len(saved)} tables to {args.save_tables}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "sets": report}, indent=2) + "\n")

@@ -80,3 +80,42 @@ def test_table_steps_equal_the_engines_fixed_steps(tiny_engine):
         assert steps == res.stats.row_steps
     for acc, sur in tables:
         assert (np.diff(acc, axis=1) >= 0).all() and (np.diff(sur, axis=1) >= -1e-6).all()  # nested trees
+
+
+class ToyLatency:
+    """step_time / predict as the engine's latency model offers them: AR 1.0 + 0.001 c, a draft 0.3,
+    a tree of b nodes 1.2 + 0.02 b."""
+
+    def step_time(self, b, c, draft):
+        return (1.0 + 0.001 * c if b == 0 else 1.2 + 0.02 * b) + 0.3 * draft
+
+    def predict(self, b, c):
+        return self.step_time(b, c, True)
+
+
+def test_saved_tables_replay_as_the_live_ones(tmp_path):
+    """`--save-tables`: a table and its step prices written and read back replay every policy to the
+    same seconds and steps as the live prices (so policies can be tried offline)."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(1)
+    records, live = {}, {}
+    for k in range(3):
+        n = int(rng.integers(5, 30))
+        acc = np.sort(rng.integers(0, 4, size=(n, len(BUCKETS))), axis=1)
+        acc[:, 0] = 0
+        sur = np.sort(rng.uniform(0, 3, size=(n, len(BUCKETS))), axis=1)
+        sur[:, 0] = 0
+        prices = gh.Prices(ToyLatency(), BUCKETS, prompt_len=10 + 7 * k)
+        records[f"toy/{k}"], live[f"toy/{k}"] = gh.table_record(acc, sur, prices), (acc, sur, prices)
+    path = tmp_path / "tables.npz"
+    gh.save_tables(path, BUCKETS, records)
+    buckets, loaded = gh.load_tables(path)
+    assert buckets == BUCKETS and sorted(loaded) == sorted(live)
+    engine = SimpleNamespace(buckets=BUCKETS, block_size=6)
+    for key, (acc, sur, prices) in live.items():
+        acc2, sur2, prices2 = loaded[key]
+        assert (acc2 == acc).all() and np.allclose(sur2, sur)
+        assert gh.replay_gate(acc2, sur2, prices2, engine) == gh.replay_gate(acc, sur, prices, engine)
+        assert gh.replay_fixed(acc2, prices2, 2) == gh.replay_fixed(acc, prices, 2)
+        assert gh.replay_oracle(acc2, prices2) == pytest.approx(gh.replay_oracle(acc, prices))

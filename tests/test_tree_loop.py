@@ -222,11 +222,9 @@ def test_a_probes_tree_is_verified_whatever_the_estimates():
         gate.record(thens[-1], 1)
     assert thens == [HOLD, HOLD, HOLD, DRAFT]  # the 4th AR step probes
     assert gate.use_tree(10)  # the probe's tree: verified
-    gate.observe_verify(4, 3.0, 2.4)  # it did well: rho 0 -> 0.24
-    assert gate.rho > 0.2 and not gate.use_tree(10)  # not yet worth it: (0.24 * 3 + 1) / 1.6 < 1.1
-    for _ in range(3):
-        gate.observe_verify(4, 3.0, 2.4)
-    assert gate.use_tree(10)  # rho ~0.61: (0.61 * 3 + 1) / 1.6 > 1.1
+    assert not gate.use_tree(10)  # a tree after it, before the probe's outcome is known: (0 + 1) / 1.6 < 1
+    gate.observe_verify(4, 3.0, 2.4)  # it did well: rho 0 -> 0.3 / 1.25 = 0.24 (the first of 8 + 1)
+    assert gate.rho == pytest.approx(0.24) and gate.use_tree(10)  # (0.24 * 3 + 1) / 1.6 > 1
 
 
 def test_a_strong_tree_or_lookup_hint_makes_the_gate_draft():
@@ -315,3 +313,36 @@ def test_chain_bucket_keeps_the_feature_buffer_and_prices():
     gate.pending = 13
     assert gate.chain_bucket(10, paying, HOLD) == 0
     assert gate.chain_bucket(10, paying, DRAFT) == 0  # (the rows are buffered before the draft injects them)
+
+
+def test_rho_reads_a_calibrated_drafter_as_calibrated():
+    """Trees whose surrogate is exactly the expected acceptance (each of 4 drafts accepted in turn
+    with probability 0.4, a chain: accepted drafts = how many accepted before the first miss) leave
+    rho near 1: rho is a ratio of sums. A mean of per-tree ratios (0 for the 60% of trees whose first
+    draft misses) is biased low, and with it the gate drafted too little."""
+    rng = np.random.default_rng(0)
+    p = 0.4
+    surrogate = sum(p ** d for d in range(1, 5))  # E[accepted] of the chain: 0.6496
+    gate = DraftGate((4,), lambda b, c, draft: 1.0, pending_slots=64, block_size=4)
+    ratios, rhos = [], []
+    for _ in range(4000):
+        accepted = 0
+        while accepted < 4 and rng.random() < p:
+            accepted += 1
+        gate.observe_verify(4, surrogate, accepted)
+        ratios.append(min(accepted / surrogate, 2.0))
+        rhos.append(gate.rho)
+    assert gate.verified == 4000
+    assert abs(np.mean(rhos[100:]) - 1.0) < 0.05  # (each value spreads ~20%: a window of ~40 trees)
+    assert np.mean(ratios) < 0.8  # what the clipped mean of ratios reads instead
+
+
+def test_rho_finds_out_a_confident_useless_drafter_in_a_few_verifies():
+    """A drafter whose surrogate (7 drafts) is never realised: rho falls below 0.1 within about 10
+    verified trees (the prior counts as 8), not the ~17 an EMA at rate 0.05 from the start would take."""
+    gate = DraftGate((4,), lambda b, c, draft: 1.0, pending_slots=64, block_size=4)
+    n = 0
+    while gate.rho >= 0.1:
+        gate.observe_verify(4, 7.0, 0.0)
+        n += 1
+    assert n <= 11
