@@ -368,8 +368,8 @@ class Engine:
         stats.compilations += self.compilations - before
         stats.compilations_after_warmup += compile_counter.compilations() - compiled_before_loop
         if policy.kind == "bastion" and gate is not None:
-            self._gate_memory.update(calibration=(gate.accepted_ema, gate.surrogate_ema, gate.verified), a_bar=gate.a_bar,
-                                     probe=gate.probe)
+            self._gate_memory.update(calibration=(gate.accepted_ema, gate.surrogate_ema, gate.verified),
+                                     a_bar=gate.a_bar, probe=gate.probe)
             stats.chain_steps += gate.chained
         if controller is not None:
             for b, n in controller.histogram.items():

@@ -145,7 +145,8 @@ def test_engine_root_steps_dispatched_ahead_sample_the_target_law(vocab6_target)
     target, prompt = vocab6_target, [1, 4, 3]
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK, num_taps=1), seed=1)
     engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4, latency=FixedLatency(BUCKETS))
-    engine._gate_memory.update(calibration=(0.0, 1.0, 100), a_bar=np.ones(len(BUCKETS)))  # learnt: the drafts are never accepted
+    # learnt: the drafts are never accepted (rho = 0 / 1, after 100 verified trees)
+    engine._gate_memory.update(calibration=(0.0, 1.0, 100), a_bar=np.ones(len(BUCKETS)))
     res = engine.generate([prompt] * 2500, max_new_tokens=3, mode="bastion", sampling=SamplingConfig(1.0), seed=5)
     assert res.stats.buckets == {0: 2}  # two root steps after the prefill
     assert_three_token_law(target, prompt, res.tokens)
@@ -314,7 +315,8 @@ def test_probe_interval_carries_over_to_the_next_request(pair, monkeypatch):
     target, drafter = pair
     engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4, latency=FixedLatency(BUCKETS),
                     lookup=None)
-    engine._gate_memory.update(calibration=(0.0, 1.0, 100), a_bar=np.ones(len(BUCKETS)))  # learnt: the drafts are never accepted
+    # learnt: the drafts are never accepted (rho = 0 / 1, after 100 verified trees)
+    engine._gate_memory.update(calibration=(0.0, 1.0, 100), a_bar=np.ones(len(BUCKETS)))
     probes, real = [], DraftGate.root_then
     monkeypatch.setattr(DraftGate, "root_then", lambda self, *a: (lambda t: (probes.append(t == DRAFT), t)[1])(
         real(self, *a)))
