@@ -2,6 +2,7 @@
 
     python -m benchmarks.gate_headroom                       # default pair, 8 prompts per set
     python -m benchmarks.gate_headroom --drafter runs/v8/best --max-prompts 16 --name my-run
+    python -m benchmarks.gate_headroom --save-tables runs/t.npz   # then replay other gates: load_tables
 
 For every position t of each prompt's AR greedy answer it drafts the tree bastion would draft at t
 and measures how much of it verification would accept at each bucket, against the known greedy
@@ -260,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         buckets = parse_buckets(args.buckets)
+        if args.save_tables and not Path(args.save_tables).resolve().parent.is_dir():
+            raise ValueError(f"--save-tables {args.save_tables}: no such directory to write it in")
         fixed = [int(x) for x in args.fixed.split(",") if x.strip()]
         if not set(fixed) <= set(buckets):
             raise PolicyError(f"--fixed {args.fixed}: every size must be one of --buckets {args.buckets}")

@@ -119,3 +119,10 @@ def test_saved_tables_replay_as_the_live_ones(tmp_path):
         assert gh.replay_gate(acc2, sur2, prices2, engine) == gh.replay_gate(acc, sur, prices, engine)
         assert gh.replay_fixed(acc2, prices2, 2) == gh.replay_fixed(acc, prices, 2)
         assert gh.replay_oracle(acc2, prices2) == pytest.approx(gh.replay_oracle(acc, prices))
+
+
+def test_save_tables_to_a_missing_directory_is_one_clear_error(tmp_path, capsys):
+    """Refused before any model loads or any answer is generated, not after the whole run."""
+    assert gh.main(["--save-tables", str(tmp_path / "missing" / "t.npz"), "--quiet"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--save-tables" in err[0] and "no such directory" in err[0]
