@@ -29,7 +29,7 @@ from bastion_jax.executables import Executables
 from bastion_jax.latency import AR, AR_DRAFT, DevicePeaks, LatencyModel, ModelDims
 from bastion_jax.lookup import LookupConfig
 from bastion_jax.sampling import SamplingConfig, sampler
-from bastion_jax.speculative import DraftVocab
+from bastion_jax.speculative import DraftVocab, resolve_draft_vocab
 from bastion_jax.stats import Result, Rows, Stats
 from bastion_jax.tree_decoding import DRAFT, HOLD
 from bastion_jax.tree_loop import TreeLoop, read
@@ -61,14 +61,16 @@ class Engine:
     step; with no drafter it is the only source of drafts (`block_size` must then be given).
     `lookup` adds the context-lookup chain to every draft tree of the tree modes, and lets bastion
     verify that chain alone when drafting does not pay (`lookup.py`; on by default, None turns it off
-    and gives the drafter's trees alone, as the official BASTION code).
+    and gives the drafter's trees alone, as the official BASTION code). `draft_vocab` restricts the
+    drafter's LM head in the tree modes: "auto" (the default, as the CLI: the drafter's shipped token
+    ranking, top 8192, when it has one), "full" or None (every token), N (top N), or a `DraftVocab`.
     """
 
     def __init__(self, target: Target, tokenizer=None, *, drafter: LoadedDrafter | None = None,
                  stop_ids: Sequence[int] | None = None, proposal: Callable | None = None,
                  block_size: int | None = None, mask_token_id: int = 0,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, top_k: int = 128,
-                 latency: LatencyModel | None = None, draft_vocab: DraftVocab | None = None,
+                 latency: LatencyModel | None = None, draft_vocab: DraftVocab | str | int | None = "auto",
                  lookup: LookupConfig | None = LookupConfig()):
         self.target = target
         self.tokenizer = tokenizer
@@ -87,6 +89,9 @@ class Engine:
         self.stop_ids = frozenset(int(s) for s in stop_ids)
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.top_k = top_k
+        if isinstance(draft_vocab, (str, int)):  # a spec as the CLI's --draft-vocab takes it
+            auto = draft_vocab == "auto"
+            draft_vocab = None if auto and proposal is not None else resolve_draft_vocab(target, drafter, draft_vocab)
         if draft_vocab is not None and (drafter is None or proposal is not None):
             raise GenerationError("a draft vocabulary restricts a drafter's LM head: it needs a drafter and no proposal")
         self.draft_vocab = draft_vocab

@@ -260,7 +260,6 @@ def run_eval(args, target, log) -> None:
     from bastion_jax.controller import Policy, parse_buckets
     from bastion_jax.default_model import default_drafter_dir
     from bastion_jax.engine import Engine
-    from bastion_jax.speculative import resolve_draft_vocab
     from bastion_jax.text import encode_prompt, load_tokenizer
 
     drafter_dir = args.drafter or (default_drafter_dir() if args.target is None else None)
@@ -275,7 +274,7 @@ def run_eval(args, target, log) -> None:
     tok = load_tokenizer(target)
     buckets = parse_buckets(args.buckets)
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
-                    draft_vocab=resolve_draft_vocab(target, drafter, args.draft_vocab),
+                    draft_vocab=args.draft_vocab,
                     lookup=resolve_lookup(args.lookup))
     sets = {}
     for spec in args.prompts:

@@ -79,10 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         drafter = load_drafter(args.drafter, target.config, target.dtype)
     buckets = parse_buckets(args.buckets)
-    from bastion_jax.speculative import resolve_draft_vocab
 
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
-                    draft_vocab=resolve_draft_vocab(target, drafter, args.draft_vocab),
+                    draft_vocab=args.draft_vocab,
                     lookup=resolve_lookup(args.lookup))
     modes = ["ar", "dflash"] + [f"fixed:{n}" for n in parse_buckets(args.fixed)] + ["bastion"]
     if max(buckets) >= 32:

@@ -228,7 +228,8 @@ def test_gate_drafts_for_an_oracle_and_stops_for_a_useless_drafter(converted, ki
         assert res.stats.steps - ar_steps <= 14
 
 
-def test_resolve_draft_vocab(pair, tmp_path):
+def test_resolve_draft_vocab(pair, tmp_path, monkeypatch):
+    from bastion_jax import speculative
     from bastion_jax.checkpoints import load_drafter
     from bastion_jax.speculative import RANKING_FILE, resolve_draft_vocab
     from bastion_jax.checkpoints.dflash import export_zlab
@@ -247,6 +248,14 @@ def test_resolve_draft_vocab(pair, tmp_path):
     assert resolve_draft_vocab(target, loaded, "auto") is None  # a 96-token vocabulary is below the default 8192
     with pytest.raises(ValueError, match="auto, full or a token count"):
         resolve_draft_vocab(target, loaded, "lots")
+    # The engine takes the CLI's specs, and by default does what the CLI does ("auto": the ranking's top
+    # DEFAULT_DRAFT_VOCAB, here lowered below the tiny vocabulary so that auto picks a subset).
+    assert np.asarray(Engine(target, drafter=loaded, stop_ids=[-1], draft_vocab="20").draft_vocab.ids).tolist() == \
+        ranking[:20].tolist()
+    assert Engine(target, drafter=loaded, stop_ids=[-1], draft_vocab="full").draft_vocab is None
+    monkeypatch.setattr(speculative, "DEFAULT_DRAFT_VOCAB", 32)
+    assert np.asarray(Engine(target, drafter=loaded, stop_ids=[-1]).draft_vocab.ids).tolist() == ranking[:32].tolist()
+    assert Engine(target, stop_ids=[-1]).draft_vocab is None  # no drafter: nothing to restrict
     engine = Engine(target, drafter=loaded, stop_ids=[-1], buckets=BUCKETS, top_k=4, draft_vocab=dv)
     prompts = [[5, 9, 11, 40, 41]]
     ar = engine.generate(prompts, max_new_tokens=16, mode="ar").tokens
