@@ -190,17 +190,31 @@ class Executables:
                          self.draft_vocab)
                 for b in self.buckets if 1 < b <= self.block_size}
 
+    def tree_struct(self, batch: int, cache_len: int):
+        """The abstract `Tree` of the tree steps at these shapes (traced, nothing compiled)."""
+        cfg = self.config()
+        args = self._prefill_args(cfg, batch, 16, cache_len)
+        return jax.eval_shape(lambda *a: tree_decoding.tree_prefill(cfg, *a)[0], *args[1:]).tree
+
+    def verify_steps(self, batch: int, cache_len: int, step_buckets: Sequence[int]):
+        """{bucket: tree_verify}: the target's half of a tree step alone (greedy), called as
+        `(target_params, target_cache, tree, lengths)`; compiles neither the drafter nor tree_prefill."""
+        cfg = self.config()
+        lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
+        tree = self.tree_struct(batch, cache_len)
+        return {b: self.compiled(tree_decoding.tree_verify, ("tree_verify", cfg, batch, cache_len, b),
+                                 (cfg, self.target_params, tcache, tree, lengths), dict(bucket=b))
+                for b in step_buckets}
+
     def tree_parts(self, batch: int, cache_len: int, step_buckets: Sequence[int]):
         """({bucket: tree_verify}, tree_draft): the two halves of a tree step on their own, so the
         profiler can time them apart (greedy; the draft over the engine's draft vocabulary, bound)."""
         cfg = self.config()
         lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
         args = self._prefill_args(cfg, batch, 16, cache_len)
-        tree = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(cfg, *a)[0], *args[1:]).tree
-        tcache, dcache = args[3], args[4]
-        verify = {b: self.compiled(tree_decoding.tree_verify, ("tree_verify", cfg, batch, cache_len, b),
-                                   (cfg, self.target_params, tcache, tree, lengths), dict(bucket=b))
-                  for b in step_buckets}
+        dcache = args[4]
+        verify = self.verify_steps(batch, cache_len, step_buckets)
         features = jax.ShapeDtypeStruct(self.feature_shape(batch), self.feature_dtype)
         draft = self.compiled(tree_decoding.tree_draft, ("tree_draft", cfg, batch, cache_len, self._n_draft),
                               (cfg, self.target_params, args[2], dcache, features, lengths, lengths, lengths,

@@ -3,6 +3,8 @@
 # each step ends inside the 10-minute limit of one command and writes what it measured under $OUT.
 #
 #   bash benchmarks/gpu_session.sh check    # versions; the prefix kernel compiled for this GPU vs the XLA loop
+#   bash benchmarks/gpu_session.sh verify   # verify_probe at Qwen3-8B shapes: AR vs HBM floor, verify(b)/AR,
+#                                           # compiling no tree step (so it returns even if tree_prefill will not)
 #   bash benchmarks/gpu_session.sh perf     # perf_8b at Qwen3-8B shapes (random bf16 weights), Pallas kernel
 #   bash benchmarks/gpu_session.sh perf-xla # the same with the XLA prefix loop, to compare
 #   bash benchmarks/gpu_session.sh stash    # keep the carried GGUF piece (.device/pI) for the drafter job
@@ -17,11 +19,12 @@
 # tree_step 816 -> 375, counted on CPU). The AR data job ran ~0.3 s per step with other processes on
 # the GPU; both GPU jobs now run one process at a time. So, after running
 # `training_data/smollm2-135m-instruct/device_pieces.sh` here (three pieces since 2026-11-26), back to back:
-#   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && bash benchmarks/gpu_session.sh probe &&
-#      bash benchmarks/gpu_session.sh arbatch`, timeout ~300 s: does tree_prefill compile now (kernels,
-#      seconds), and the AR step alone at batch 128;
-#   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash`, and if tree_prefill compiled in the
-#      probe, `bash benchmarks/gpu_session.sh perf` in the same call (timeout ~300 s);
+#   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && bash benchmarks/gpu_session.sh verify`,
+#      timeout ~300 s: issue 14's target-side GPU figures whatever tree_prefill does (AR step vs HBM
+#      floor, verify(1/16/64/256) / AR, compile seconds);
+#   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash && bash benchmarks/gpu_session.sh probe`
+#      (does tree_prefill compile now: kernels, seconds), and if it did, `bash benchmarks/gpu_session.sh
+#      perf` in the same call (timeout ~400 s; `arbatch`, the AR step alone at batch 128, when time is left);
 #   3. carry the last piece: `bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS`, SECONDS
 #      about 60 under the lease's budget_left_s (status), which covers the transfers (data first if
 #      the AR step was fast alone: DATA_S=0 skips it).
@@ -35,7 +38,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-benchmarks/results}"
 mkdir -p "$OUT"
-step="${1:?usage: gpu_session.sh check|perf|perf-xla|stash|probe|arbatch}"
+step="${1:?usage: gpu_session.sh check|verify|perf|perf-xla|stash|probe|arbatch}"
 
 case "$step" in
   check)
@@ -47,6 +50,10 @@ case "$step" in
     ;;
   stash)
     mkdir -p /root/stash && cp .device/p*/gguf.xz.? /root/stash/ && ls -la /root/stash
+    ;;
+  verify)
+    python3 -m benchmarks.verify_probe --buckets 1,16,64,256 --contexts 1024,2048 --name verify-probe-qwen3-8b \
+      --out-dir "$OUT" --compilation-cache /tmp/jax-cache 2>&1 | tee "$OUT/verify.log"
     ;;
   perf | perf-xla)
     mode=pallas
@@ -69,7 +76,7 @@ case "$step" in
       --name ar-batch128-smollm2 --out-dir "$OUT" 2>&1 | tee "$OUT/arbatch.log"
     ;;
   *)
-    echo "unknown step $step (check, perf, perf-xla, stash, probe, arbatch)" >&2
+    echo "unknown step $step (check, verify, perf, perf-xla, stash, probe, arbatch)" >&2
     exit 2
     ;;
 esac

@@ -209,6 +209,39 @@ def test_random_init_is_on_device_in_the_requested_dtype():
     assert 0.01 < float(jnp.std(w.astype(jnp.float32))) < 0.04  # the model's own init (normal, std 0.02)
 
 
+def test_verify_probe_times_the_target_side_without_compiling_tree_steps(tmp_path, monkeypatch):
+    """verify_probe brings back the AR-vs-floor and verify(b)/AR ratios having compiled only the AR
+    steps, the plain forwards and tree_verify: never tree_prefill, a tree step or the drafter (XLA:GPU
+    took minutes over tree_prefill at 8B shapes)."""
+    from bastion_jax.executables import Executables
+    from benchmarks import verify_probe
+
+    compiled = []
+    real = Executables.compiled
+
+    def spy(self, fn, key, args, static=None):
+        compiled.append(key[0])
+        return real(self, fn, key, args, static)
+
+    monkeypatch.setattr(Executables, "compiled", spy)
+    rc = verify_probe.main(TINY + ["--out-dir", str(tmp_path), "--name", "vp", "--quiet"])
+    assert rc == 0
+    assert set(compiled) == {"prefill", "decode", "tree_verify", "forward"}, compiled
+    data = json.loads((tmp_path / "vp.json").read_text())
+    r, m = data["ratios"], data["measured"]
+    assert set(r["ar_floor_ratio"]) == {str(c) for c in CONTEXTS}
+    assert all(finite_positive(v) for v in r["ar_floor_ratio"].values())
+    cells = {f"{b}@{c}" for b in BUCKETS for c in CONTEXTS}
+    assert set(r["verify_over_ar"]) == set(r["forward_over_ar"]) == cells
+    assert all(finite_positive(v) for v in list(r["verify_over_ar"].values()) + list(r["forward_over_ar"].values()))
+    for k, v in r["verify_over_ar"].items():  # the ratio is the two timings' quotient at the same context
+        assert v == pytest.approx(m["verify_s"][k] / m["ar_step_s"][k.split("@")[1]])
+    assert {f"tree_verify({b})" for b in BUCKETS} <= set(m["compile_s"])
+    crit = {c["name"]: c for c in r["criteria"]}
+    assert crit["verify(64) / AR step (max over contexts)"]["pass"] is None  # bucket 64 not measured here
+    assert "| 16 |" in (tmp_path / "vp.md").read_text() and data["meta"]["device"] and data["meta"]["commit"]
+
+
 def test_perf_8b_writes_its_ratios_at_a_tiny_shape(tmp_path):
     from benchmarks import perf_8b
 
