@@ -13,7 +13,7 @@ and times each alone at every context, so the issue's two target-side ratios com
   AR step vs HBM floor   (weights a step reads + live KV) / measured copy bandwidth, over the AR step
   verify(b) / AR step    per context; judged at b = 64 and b = 256 as in perf_8b
 
-with the seconds each executable took to compile. Same flags as perf_8b (the profiler's `setup`
+with the prefill of the longest context's prompt and the seconds each executable took to compile. Same flags as perf_8b (the profiler's `setup`
 builds the models); writes <name>.json and .md with device, date and commit.
 """
 
@@ -58,8 +58,8 @@ def sample_tree(exe, depth: int, batch: int, cache_len: int, seed: int = 0):
 
 
 def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
-    """{compile_s, ar_step_s, verify_s, forward_s} at batch 1 (seconds; the last three per context, and
-    per bucket for verify / forward)."""
+    """{compile_s, prefill_s, ar_step_s, verify_s, forward_s} at batch 1 (seconds; the prefill of the
+    longest context's prompt, the last three per context, and per bucket for verify / forward)."""
     import jax
     import numpy as np
 
@@ -75,7 +75,8 @@ def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
         return out
 
     sampling = SamplingConfig()
-    _, ar_step = timed("ar decode (+ prefill)", lambda: exe.ar(1, 16, cache_len, sampling))
+    prompt = max(contexts)  # the prefill is timed at the longest context's prompt length
+    prefill, ar_step = timed(f"ar decode + prefill({prompt})", lambda: exe.ar(1, prompt, cache_len, sampling))
     verify = {b: timed(f"tree_verify({b})", lambda b=b: exe.verify_steps(1, cache_len, (b,))[b]) for b in buckets}
     forward = {b: timed(f"forward({b})", lambda b=b: exe.forward(1, cache_len, b)) for b in buckets}
     tree = sample_tree(exe, engine.block_size - 1, 1, cache_len)
@@ -84,6 +85,16 @@ def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
     token = jax.device_put(np.zeros(1, np.int32))
     active = jax.device_put(np.ones(1, bool))
     result = {"compile_s": compile_s, "ar_step_s": {}, "verify_s": {}, "forward_s": {}}
+    prompt_tokens = jax.device_put(np.zeros((1, prompt), np.int32))
+    prompt_len = jax.device_put(np.full(1, prompt, np.int32))
+    times = []
+    for i in range(warmup + reps):  # a fresh cache per call (the prefill donates it), made before the clock starts
+        cache = jax.block_until_ready(exe.new_cache(1, cache_len))
+        t0 = time.perf_counter()
+        jax.block_until_ready(prefill(params, cache, prompt_tokens, prompt_len, key))
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    result["prefill_s"] = {str(prompt): statistics.median(times)}
     for c in contexts:
         length = jax.device_put(np.full(1, c, np.int32))
 
@@ -147,6 +158,7 @@ def markdown(meta: dict, m: dict, r: dict) -> str:
                            for b in buckets)
         lines.append(f"| {c} | {t * 1e3:.3f} | {r['hbm_floor_s'][c] * 1e3:.3f} | {r['ar_floor_ratio'][c]:.3f} | "
                      f"{cells} |")
+    lines += ["", "Prefill: " + ", ".join(f"{n} tokens {t * 1e3:.1f} ms" for n, t in m["prefill_s"].items()) + "."]
     lines += ["", "Compile seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in m["compile_s"].items()) + "."]
     return "\n".join(lines) + "\n"
 

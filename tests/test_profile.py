@@ -237,6 +237,7 @@ def test_verify_probe_times_the_target_side_without_compiling_tree_steps(tmp_pat
     for k, v in r["verify_over_ar"].items():  # the ratio is the two timings' quotient at the same context
         assert v == pytest.approx(m["verify_s"][k] / m["ar_step_s"][k.split("@")[1]])
     assert {f"tree_verify({b})" for b in BUCKETS} <= set(m["compile_s"])
+    assert list(m["prefill_s"]) == [str(max(CONTEXTS))] and finite_positive(m["prefill_s"][str(max(CONTEXTS))])
     crit = {c["name"]: c for c in r["criteria"]}
     assert crit["verify(64) / AR step (max over contexts)"]["pass"] is None  # bucket 64 not measured here
     assert "| 16 |" in (tmp_path / "vp.md").read_text() and data["meta"]["device"] and data["meta"]["commit"]
