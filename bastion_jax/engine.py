@@ -90,8 +90,10 @@ class Engine:
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.top_k = top_k
         if isinstance(draft_vocab, (str, int)):  # a spec as the CLI's --draft-vocab takes it
-            auto = draft_vocab == "auto"
-            draft_vocab = None if auto and proposal is not None else resolve_draft_vocab(target, drafter, draft_vocab)
+            if drafter is not None and proposal is None:
+                draft_vocab = resolve_draft_vocab(target, drafter, draft_vocab)
+            elif draft_vocab in ("auto", "full", 0, "0"):  # nothing to restrict, and nothing was asked
+                draft_vocab = None
         if draft_vocab is not None and (drafter is None or proposal is not None):
             raise GenerationError("a draft vocabulary restricts a drafter's LM head: it needs a drafter and no proposal")
         self.draft_vocab = draft_vocab

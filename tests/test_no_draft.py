@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from bastion_jax.checkpoints import random_drafter
-from bastion_jax.engine import Engine
+from bastion_jax.engine import Engine, GenerationError
 from bastion_jax.modeling.cache import KVCache, causal_mask
 from bastion_jax.sampling import SamplingConfig, sampler
 from bastion_jax.step_config import StepConfig
@@ -256,6 +256,8 @@ def test_resolve_draft_vocab(pair, tmp_path, monkeypatch):
     monkeypatch.setattr(speculative, "DEFAULT_DRAFT_VOCAB", 32)
     assert np.asarray(Engine(target, drafter=loaded, stop_ids=[-1]).draft_vocab.ids).tolist() == ranking[:32].tolist()
     assert Engine(target, stop_ids=[-1]).draft_vocab is None  # no drafter: nothing to restrict
+    with pytest.raises(GenerationError, match="needs a drafter"):  # asked for, but no drafter: refused, not ignored
+        Engine(target, stop_ids=[-1], draft_vocab="20")
     engine = Engine(target, drafter=loaded, stop_ids=[-1], buckets=BUCKETS, top_k=4, draft_vocab=dv)
     prompts = [[5, 9, 11, 40, 41]]
     ar = engine.generate(prompts, max_new_tokens=16, mode="ar").tokens
