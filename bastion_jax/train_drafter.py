@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="work dir: checkpoints/, metrics.jsonl, drafter/ (the final export), best/ (the export of the best validation step, best.json its figures)")
     t.add_argument("--init", help="start from this drafter checkpoint instead of a random one (and keep the token "
                    "ranking stored beside it, so the loss vocabulary stays the one it was trained on)")
-    t.add_argument("--layers", type=int, default=2, help="drafter layers (default 2)")
+    t.add_argument("--layers", type=int, help="drafter layers (default 2; with --init: the init's own, and a larger "
+                   "N grows it: copies of its last layer whose output projections start at zero, so the deeper "
+                   "drafter starts out drafting exactly as the init)")
     t.add_argument("--num-taps", type=int, help="target layers tapped for features (default: max(layers, 3))")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--intermediate-size", type=int, help="drafter MLP width (default: the target's)")
@@ -139,8 +141,9 @@ def _positive_seconds(text: str) -> float:
 def drafter_config(target_cfg, args):
     from bastion_jax.dflash_config import DrafterConfig
 
-    return DrafterConfig.for_target(target_cfg, num_layers=args.layers, block_size=args.block_size,
-                                    num_taps=args.num_taps or max(args.layers, 3),
+    layers = args.layers or 2
+    return DrafterConfig.for_target(target_cfg, num_layers=layers, block_size=args.block_size,
+                                    num_taps=args.num_taps or max(layers, 3),
                                     intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id)
 
 
@@ -190,7 +193,7 @@ def run_train(args, target, log) -> None:
     import jax.numpy as jnp
 
     from bastion_jax.checkpoints import load_drafter, random_drafter
-    from bastion_jax.training import (TokenDataset, TrainConfig, Trainer, init_from_target, load_ranking,
+    from bastion_jax.training import (TokenDataset, TrainConfig, Trainer, grow, init_from_target, load_ranking,
                                       save_ranking)
     from bastion_jax.checkpoints.dflash import export_zlab
 
@@ -214,6 +217,9 @@ def run_train(args, target, log) -> None:
     if args.init:
         # unrolled layers: the trainer's checkpoints and warm start are per layer on every backend
         drafter = load_drafter(args.init, target.config, jnp.float32, scan_layers=False)
+        grown_from = drafter.config.num_hidden_layers
+        if args.layers is not None:
+            drafter = grow(drafter, args.layers)
     else:
         dcfg = drafter_config(target.config, args)
         dcfg.check_pair(target.config)
@@ -228,13 +234,15 @@ def run_train(args, target, log) -> None:
     out = Path(args.out)
     t0 = time.perf_counter()
     ranking = load_ranking(Path(args.init)) if args.init else None  # keep the loss vocabulary it was trained on
+    init_note = args.init or ("target's last layers" if args.init_from_target else "random")
+    if args.init and d.num_hidden_layers > grown_from:
+        init_note += f" (grown from {grown_from} to {d.num_hidden_layers} layers: warmstart.grow)"
     def record(state, directory: Path, **extra) -> Path:
         export = export_zlab(d, state, directory, getattr(jnp, args.export_dtype))
         save_ranking(export, trainer.ranking)  # what generate --draft-vocab reads beside config.json
         (export / "training.json").write_text(json.dumps(
             {"train_config": dataclasses.asdict(cfg), "data": [str(p) for p in args.data],
-             "target": str(target.path), "init": args.init or ("target's last layers" if args.init_from_target else
-                                                               "random"),
+             "target": str(target.path), "init": init_note,
              "seconds": round(time.perf_counter() - t0, 1), **extra,
              "vocab_ranking": {"file": "vocab_ranking.npy", "source": "training responses",
                                "order": "int32 token ids, most frequent first, ties by id"}}, indent=2))

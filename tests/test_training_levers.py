@@ -188,3 +188,42 @@ def test_init_from_target_copies_the_top_layers(target, in_out):
     too_deep = random_drafter(tiny_drafter_config(cfg, num_layers=cfg.num_hidden_layers + 1, block_size=4), seed=1)
     with pytest.raises(ValueError, match="layers"):
         init_from_target(too_deep, target)
+
+
+def test_grow_keeps_the_drafts_and_lets_the_new_layers_learn(target):
+    """`grow` (train_drafter --init DIR --layers N): the deeper drafter's hidden states equal the given
+    drafter's exactly (the new layers' output projections are zero), its new layers are copies of the
+    last one, and the loss's gradient reaches the zeroed projections (so training moves them)."""
+    from bastion_jax.training import drafter_blocks, grow
+
+    cfg = tiny_drafter_config(target.config, num_layers=2, block_size=4)
+    small = random_drafter(cfg, seed=3)
+    big = grow(small, 4)
+    assert big.config.num_hidden_layers == 4 and big.config.target_layer_ids == cfg.target_layer_ids
+    rng = np.random.default_rng(0)
+    b, n, blk, s, h = 1, 3, cfg.block_size, 12, cfg.hidden_size
+    emb = jnp.asarray(rng.normal(size=(b, n, blk, h)), jnp.float32)
+    anchors = jnp.asarray([[3, 6, 9]], jnp.int32)
+    positions = anchors[..., None] + jnp.arange(blk)
+    features = jnp.asarray(rng.normal(size=(b, s, len(cfg.target_layer_ids) * cfg.target_hidden_size)), jnp.float32)
+    valid = jnp.ones((b, n), bool)
+
+    def hidden(graphdef, state):
+        return drafter_blocks(nnx.merge(graphdef, state), emb, positions, anchors, valid, features)
+
+    np.testing.assert_array_equal(np.asarray(hidden(big.graphdef, big.state)),
+                                  np.asarray(hidden(small.graphdef, small.state)))
+    d = nnx.to_pure_dict(big.state)
+    last = nnx.to_pure_dict(small.state)["layers"][1]
+    for i in (2, 3):
+        np.testing.assert_array_equal(np.asarray(d["layers"][i]["self_attn"]["q_proj"]["weight"]),
+                                      np.asarray(last["self_attn"]["q_proj"]["weight"]))
+        assert not np.asarray(d["layers"][i]["self_attn"]["o_proj"]["weight"]).any()
+        assert not np.asarray(d["layers"][i]["mlp"]["down_proj"]["weight"]).any()
+    grads = nnx.to_pure_dict(jax.grad(lambda st: jnp.sum(hidden(big.graphdef, st) ** 2))(big.state))
+    for i in (2, 3):
+        assert np.abs(np.asarray(grads["layers"][i]["self_attn"]["o_proj"]["weight"])).max() > 0
+        assert np.abs(np.asarray(grads["layers"][i]["mlp"]["down_proj"]["weight"])).max() > 0
+    assert grow(small, 2) is small
+    with pytest.raises(ValueError, match="only grows"):
+        grow(big, 3)

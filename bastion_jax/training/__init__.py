@@ -8,10 +8,10 @@ from bastion_jax.training.objective import (Blocks, Metrics, Objective, block_lo
                                             restrict_vocab, sample_anchors)
 from bastion_jax.training.trainer import Trainer, TrainConfig, blocks_forward, optimizer, train_step
 from bastion_jax.training.vocab import LossVocab, VocabError, load_ranking, loss_vocab, rank_vocab, save_ranking
-from bastion_jax.training.warmstart import init_from_target
+from bastion_jax.training.warmstart import grow, init_from_target
 
 __all__ = ["Blocks", "DataError", "FeatureStore", "LossVocab", "Metrics", "Objective", "TokenDataset", "TrainConfig",
            "Trainer", "VocabError", "batch_indices", "block_loss", "blocks_forward", "check_not_benchmark",
-           "default_gamma", "drafter_blocks", "file_prompts", "init_from_target", "load_ranking", "loss_vocab",
+           "default_gamma", "drafter_blocks", "file_prompts", "grow", "init_from_target", "load_ranking", "loss_vocab",
            "make_blocks", "matmul", "optimizer", "rank_vocab", "restrict_vocab", "sample_anchors", "save_ranking",
            "stdlib_prompts", "target_features", "teacher_logits", "train_step"]

@@ -1,4 +1,5 @@
-"""Start a drafter from the target's top layers instead of random weights (`--init-from-target`).
+"""Start a drafter from the target's top layers instead of random weights (`--init-from-target`), or
+deepen a trained drafter without losing what it learnt (`grow`: `--init DIR --layers N`).
 
 A DFlash drafter layer has the shape of a target layer (same width, heads and, by default, MLP
 width), and its input lives where the target's last layers work: it feeds the target's LM head.
@@ -11,13 +12,14 @@ in front of the LM head the drafter shares.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bastion_jax.checkpoints import LoadedDrafter, Target
+from bastion_jax.checkpoints import LoadedDrafter, Target, random_drafter
 from bastion_jax.checkpoints.params import swap_dense, unstack_layers
 
 
@@ -54,3 +56,38 @@ def init_from_target(drafter: LoadedDrafter, target: Target) -> LoadedDrafter:
     state = jax.tree.map(lambda a: a, drafter.state)  # a new State: the given drafter stays as it was
     nnx.replace_by_pure_dict(state, dst)
     return dataclasses.replace(drafter, state=state)
+
+
+def grow(drafter: LoadedDrafter, layers: int) -> LoadedDrafter:
+    """`drafter` deepened to `layers` layers: its own layers first, then copies of its last layer with
+    `o_proj` and `down_proj` (and their biases) zeroed, so each new layer adds nothing to the residual
+    stream and the deeper drafter drafts exactly as the given one until training moves them.
+
+    Why not fresh layers: a 4-layer drafter started from the target's top layers reached a held-out
+    accept length of 1.52 in 766 H100 steps, where the trained 2-layer one continued from 2.25 to 2.34
+    (`benchmarks/results/h100-2026-11-26-lease2.md`); a lease is too short to catch up from scratch.
+    Copies rather than random weights, so the new attention and MLP start from trained values once
+    their output projections leave zero. Taps, fc and the final norm are the given drafter's."""
+    cfg = drafter.config
+    have = cfg.num_hidden_layers
+    if layers < have:
+        raise ValueError(f"--layers {layers}: the --init drafter already has {have} layers (a drafter only grows)")
+    if cfg.scan_layers:
+        raise ValueError("grow takes a drafter with unrolled layers (load_drafter(..., scan_layers=False))")
+    if layers == have:
+        return drafter
+    deeper = random_drafter(dataclasses.replace(cfg, num_hidden_layers=layers),
+                            jax.tree.leaves(drafter.state)[0].dtype)
+    src, dst = nnx.to_pure_dict(drafter.state), nnx.to_pure_dict(deeper.state)
+    for name, tree in src.items():  # fc, norms, ...: the given drafter's
+        if name != "layers":
+            dst[name] = tree
+    for i in range(layers):
+        layer = copy.deepcopy(src["layers"][min(i, have - 1)])
+        if i >= have:
+            for proj in (layer["self_attn"]["o_proj"], layer["mlp"]["down_proj"]):
+                for leaf in proj:  # weight, and bias when the config has them
+                    proj[leaf] = jnp.zeros_like(proj[leaf])
+        dst["layers"][i] = layer
+    nnx.replace_by_pure_dict(deeper.state, dst)
+    return dataclasses.replace(drafter, config=deeper.config, graphdef=deeper.graphdef, state=deeper.state)

@@ -6,7 +6,7 @@
 #   2. the shipped 2-layer drafter continued on the committed sets + the new ones, with soft labels
 #      (--distill 0.5, as drafter v8) and seq_len 384 (the sets average ~255 tokens), stopped by
 #      --max-seconds (the learning rate anneals on wall time, so a cut run still ends annealed);
-#      DEEP=1 also trains b: a 4-layer drafter from the target's top layers (the "aim higher");
+#      DEEP=1 also trains b: a 4-layer drafter grown from the shipped one (the "aim higher");
 #   3. the new data (packed .npz + Magpie prompts), the best export of each drafter, metrics and
 #      logs in one tar, split into 15 MB pieces under $OUT (what the device tool brings back).
 #
@@ -152,10 +152,12 @@ common=(--target "$TARGET" --data "${sets[@]}" "${new[@]}" --block-size 16
         --seq-len 384 --anchors 64 --batch-size "$TBS" --distill 0.5 --held-out 128 --eval-every 200 --save-every 1000
         --steps "$STEPS" --no-feature-cache)
 # One trainer (the GPU time-slices between processes): the shipped drafter continued; with DEEP=1 a
-# 4-layer drafter from the target's top layers trains beside it (766 steps reached tau 1.52 on an
-# H100 where the continued one had 2.34: far behind at a lease's length).
+# 4-layer drafter trains beside it, grown from the shipped one (`--init ... --layers 4`: two copies of
+# its last layer with zeroed output projections, so it starts at the shipped drafter's acceptance; a
+# 4-layer start from the target's top layers reached only tau 1.52 in 766 H100 steps against 2.34).
 train v9a "${common[@]}" --init bastion_jax/assets/smollm2-135m-instruct-dflash --lr 3e-4 &
-[ "${DEEP:-0}" = 1 ] && train v9b "${common[@]}" --layers 4 --init-from-target --lr 6e-4 &
+[ "${DEEP:-0}" = 1 ] && train v9b "${common[@]}" --init bastion_jax/assets/smollm2-135m-instruct-dflash --layers 4 \
+  --lr 3e-4 &
 wait
 log "training done"
 for name in t07s5 g6; do
