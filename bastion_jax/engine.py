@@ -12,6 +12,7 @@ handling, stop rules (`stats.Rows`) and statistics (`stats.Stats`).
 
 from __future__ import annotations
 
+import numbers
 import statistics
 import time
 import warnings
@@ -89,10 +90,10 @@ class Engine:
         self.stop_ids = frozenset(int(s) for s in stop_ids)
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.top_k = top_k
-        if isinstance(draft_vocab, (str, int)):  # a spec as the CLI's --draft-vocab takes it
+        if isinstance(draft_vocab, (str, numbers.Integral)):  # a spec as the CLI's --draft-vocab takes it
             if drafter is not None and proposal is None:
                 draft_vocab = resolve_draft_vocab(target, drafter, draft_vocab)
-            elif draft_vocab in ("auto", "full", 0, "0"):  # nothing to restrict, and nothing was asked
+            elif str(draft_vocab) in ("auto", "full", "0"):  # nothing to restrict, and nothing was asked
                 draft_vocab = None
         if draft_vocab is not None and (drafter is None or proposal is not None):
             raise GenerationError("a draft vocabulary restricts a drafter's LM head: it needs a drafter and no proposal")

@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="work dir: checkpoints/, metrics.jsonl, drafter/ (the final export), best/ (the export of the best validation step, best.json its figures)")
     t.add_argument("--init", help="start from this drafter checkpoint instead of a random one (and keep the token "
                    "ranking stored beside it, so the loss vocabulary stays the one it was trained on)")
-    t.add_argument("--layers", type=int, help="drafter layers (default 2; with --init: the init's own, and a larger "
+    t.add_argument("--layers", type=_positive_int, help="drafter layers (default 2; with --init: the init's own, and a larger "
                    "N grows it: copies of its last layer whose output projections start at zero, so the deeper "
                    "drafter starts out drafting exactly as the init)")
     t.add_argument("--num-taps", type=int, help="target layers tapped for features (default: max(layers, 3))")
@@ -125,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return n
+
+
 def _positive_seconds(text: str) -> float:
     """--max-seconds: a finite number of seconds > 0."""
     import math
@@ -141,7 +151,7 @@ def _positive_seconds(text: str) -> float:
 def drafter_config(target_cfg, args):
     from bastion_jax.dflash_config import DrafterConfig
 
-    layers = args.layers or 2
+    layers = 2 if args.layers is None else args.layers
     return DrafterConfig.for_target(target_cfg, num_layers=layers, block_size=args.block_size,
                                     num_taps=args.num_taps or max(layers, 3),
                                     intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id)

@@ -13,8 +13,9 @@ and times each alone at every context, so the issue's two target-side ratios com
   AR step vs HBM floor   (weights a step reads + live KV) / measured copy bandwidth, over the AR step
   verify(b) / AR step    per context; judged at b = 64 and b = 256 as in perf_8b
 
-with the prefill of the longest context's prompt and the seconds each executable took to compile. Same flags as perf_8b (the profiler's `setup`
-builds the models); writes <name>.json and .md with device, date and commit.
+with the prefill of the longest context's prompt and the seconds each executable took to compile.
+perf_8b's flags (the profiler's `setup` builds the models) except --gen-tokens (no generation loop
+runs here); writes <name>.json and .md with device, date and commit.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def _median_s(run, reps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def sample_tree(exe, depth: int, batch: int, cache_len: int, seed: int = 0):
+def sample_tree(exe, depth: int, batch: int, cache_len: int, top_k: int, seed: int = 0):
     """A best-first tree of the steps' shape from random drafter log-probs (every bucket slices a
-    valid tree of it; its tokens do not matter to the timing). depth: the block size - 1."""
+    valid tree of it; its tokens do not matter to the timing). depth: the block size - 1; top_k: the
+    engine's tree width."""
     import jax
     import jax.numpy as jnp
 
@@ -52,8 +54,9 @@ def sample_tree(exe, depth: int, batch: int, cache_len: int, seed: int = 0):
 
     struct = exe.tree_struct(batch, cache_len)
     n = struct.tokens.shape[1]
-    lp = jax.nn.log_softmax(jax.random.normal(jax.random.PRNGKey(seed), (batch, depth, 64)), axis=-1)
-    tree = jax.vmap(lambda r, l: build_tree(r, l, n, 64))(jnp.zeros((batch,), jnp.int32), lp)
+    vocab = max(top_k, 64)
+    lp = jax.nn.log_softmax(jax.random.normal(jax.random.PRNGKey(seed), (batch, depth, vocab)), axis=-1)
+    tree = jax.vmap(lambda r, l: build_tree(r, l, n, top_k))(jnp.zeros((batch,), jnp.int32), lp)
     return jax.tree.map(lambda x, s: x.astype(s.dtype), tree, struct)
 
 
@@ -75,11 +78,12 @@ def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
         return out
 
     sampling = SamplingConfig()
+    exe.tree_struct(1, cache_len)  # traced here, so that no compile figure below includes the tracing
     prompt = max(contexts)  # the prefill is timed at the longest context's prompt length
     prefill, ar_step = timed(f"ar decode + prefill({prompt})", lambda: exe.ar(1, prompt, cache_len, sampling))
     verify = {b: timed(f"tree_verify({b})", lambda b=b: exe.verify_steps(1, cache_len, (b,))[b]) for b in buckets}
     forward = {b: timed(f"forward({b})", lambda b=b: exe.forward(1, cache_len, b)) for b in buckets}
-    tree = sample_tree(exe, engine.block_size - 1, 1, cache_len)
+    tree = sample_tree(exe, engine.block_size - 1, 1, cache_len, engine.top_k)
     params, key = exe.target_params, sampler(jax.random.PRNGKey(0), sampling)
     box = {"cache": exe.new_cache(1, cache_len)}
     token = jax.device_put(np.zeros(1, np.int32))
@@ -169,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.arch is None and args.target is None:
         args.arch = "qwen3-8b"
+    if args.gen_tokens != p.get_default("gen_tokens"):
+        return fail(ValueError("--gen-tokens sets perf_8b's generation loop; verify_probe runs none"))
     log = stderr_log(args.quiet)
 
     import jax

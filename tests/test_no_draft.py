@@ -253,6 +253,8 @@ def test_resolve_draft_vocab(pair, tmp_path, monkeypatch):
     assert np.asarray(Engine(target, drafter=loaded, stop_ids=[-1], draft_vocab="20").draft_vocab.ids).tolist() == \
         ranking[:20].tolist()
     assert Engine(target, drafter=loaded, stop_ids=[-1], draft_vocab="full").draft_vocab is None
+    assert np.asarray(Engine(target, drafter=loaded, stop_ids=[-1], draft_vocab=np.int64(20)).draft_vocab.ids).tolist() \
+        == ranking[:20].tolist()  # a NumPy integer is a token count too
     monkeypatch.setattr(speculative, "DEFAULT_DRAFT_VOCAB", 32)
     assert np.asarray(Engine(target, drafter=loaded, stop_ids=[-1]).draft_vocab.ids).tolist() == ranking[:32].tolist()
     assert Engine(target, stop_ids=[-1]).draft_vocab is None  # no drafter: nothing to restrict

@@ -241,6 +241,7 @@ def test_verify_probe_times_the_target_side_without_compiling_tree_steps(tmp_pat
     crit = {c["name"]: c for c in r["criteria"]}
     assert crit["verify(64) / AR step (max over contexts)"]["pass"] is None  # bucket 64 not measured here
     assert "| 16 |" in (tmp_path / "vp.md").read_text() and data["meta"]["device"] and data["meta"]["commit"]
+    assert verify_probe.main(TINY + ["--gen-tokens", "3", "--out-dir", str(tmp_path), "--quiet"]) == 2  # no loop here
 
 
 def test_perf_8b_writes_its_ratios_at_a_tiny_shape(tmp_path):

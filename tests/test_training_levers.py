@@ -227,3 +227,7 @@ def test_grow_keeps_the_drafts_and_lets_the_new_layers_learn(target):
     assert grow(small, 2) is small
     with pytest.raises(ValueError, match="only grows"):
         grow(big, 3)
+    from bastion_jax.train_drafter import build_parser
+
+    with pytest.raises(SystemExit):  # a drafter of 0 layers is refused at the flag, not turned into 2
+        build_parser().parse_args(["train", "--data", "d.npz", "--out", "o", "--layers", "0"])

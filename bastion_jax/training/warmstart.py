@@ -90,4 +90,6 @@ def grow(drafter: LoadedDrafter, layers: int) -> LoadedDrafter:
                     proj[leaf] = jnp.zeros_like(proj[leaf])
         dst["layers"][i] = layer
     nnx.replace_by_pure_dict(deeper.state, dst)
-    return dataclasses.replace(drafter, config=deeper.config, graphdef=deeper.graphdef, state=deeper.state)
+    # path None: it is no longer the checkpoint at the init's path (calibrations key on a drafter's path)
+    return dataclasses.replace(drafter, config=deeper.config, graphdef=deeper.graphdef, state=deeper.state,
+                               path=None)
