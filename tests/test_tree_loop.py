@@ -210,19 +210,26 @@ def test_gate_drafts_only_past_its_margin(gain, margin, drafts):
     assert (gate.root_then(10) == DRAFT) is drafts
 
 
-def test_a_probes_tree_is_verified_whatever_the_estimates():
-    """A gate that learnt drafts do badly (rho = 0) still verifies the tree of each probe, so rho can
-    learn they now do well; the tree after it is verified only if drafting pays."""
+def test_a_probes_tree_is_judged_on_its_own_curve_with_rho_at_least_one():
+    """A gate that learnt drafts do badly (rho = 0) still verifies a probe's tree whose own curve pays
+    at rho 1, so rho can learn they now do well; a probe's tree that does not pay even so is dropped
+    (a root step instead), and a tree outside a probe is verified only if drafting pays."""
     step_time = lambda b, c, draft: 1.0 if b == 0 else 1.6  # noqa: E731
     gate = DraftGate((4,), step_time, pending_slots=64, block_size=4)
     gate.rho, gate.a_bar = 0.0, np.array([3.0])
-    thens = []
-    for _ in range(4):
-        thens.append(gate.root_then(10))
-        gate.record(thens[-1], 1)
-    assert thens == [HOLD, HOLD, HOLD, DRAFT]  # the 4th AR step probes
-    assert gate.use_tree(10)  # the probe's tree: verified
-    assert not gate.use_tree(10)  # a tree after it, before the probe's outcome is known: (0 + 1) / 1.6 < 1
+
+    def probe() -> list[int]:
+        thens = []
+        while not thens or thens[-1] != DRAFT:
+            thens.append(gate.root_then(10))
+            gate.record(thens[-1], 1)
+        return thens
+
+    assert probe() == [HOLD, HOLD, HOLD, DRAFT]  # the 4th AR step probes
+    assert not gate.use_tree(10, np.array([0.5]))  # (1 x 0.5 + 1) / 1.6 < 1: even at rho 1 it does not pay
+    assert probe() == [HOLD] * 7 + [DRAFT]  # the interval doubled
+    assert gate.use_tree(10, np.array([3.0]))  # (1 x 3 + 1) / 1.6 > 1: verified although rho = 0
+    assert not gate.use_tree(10, np.array([3.0]))  # the same tree outside a probe: (0 x 3 + 1) / 1.6 < 1
     gate.observe_verify(4, 3.0, 2.4)  # it did well: rho 0 -> 0.3 / 1.25 = 0.24 (the first of 8 + 1)
     assert gate.rho == pytest.approx(0.24) and gate.use_tree(10)  # (0.24 * 3 + 1) / 1.6 > 1
 
