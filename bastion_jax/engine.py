@@ -141,12 +141,13 @@ class Engine:
         return (self.block_size or 0) if kind == "dflash" else self.tree_slack()
 
     def calibrate(self, cache_len: int, sampling: SamplingConfig = SamplingConfig(),
-                  contexts: Sequence[int] | None = None, reps: int = 3,
+                  contexts: Sequence[int] | None = None, reps: int = 5,
                   batch: int = 1) -> list[tuple[int | str, int, float]]:
         """Offline calibration: time every bucket's step, and the root (AR) step with and without a
         draft, at a few context lengths, with `batch` rows, and fit the latency model (which from
-        then on prices steps of that batch) to the median of `reps` timings per point (one timing
-        is off by 10-20% now and then on a busy CPU, and the draft gate decides on these prices).
+        then on prices steps of that batch) to the median of `reps` timings per point, taken in rounds
+        over all points (one timing is off by 10-20% now and then on a busy CPU, and the draft gate
+        decides on these prices).
         Steps run with the rows inactive, so the context length stays put."""
         self.latency = self.latency.for_batch(batch)
         slack = self.tree_slack()
@@ -164,18 +165,20 @@ class Engine:
                            exe.new_drafter_cache(batch, cache_len), jnp.zeros((batch, 16), jnp.int32),
                            jnp.ones((batch,), jnp.int32), key)
         inactive = jnp.zeros((batch,), bool)
-        samples = []
-        for b, step in variants.items():
-            for c in contexts:
-                times = []
-                for r in range(reps + 1):  # the first run of each point is a warm-up
-                    state = state.replace(length=jnp.full((batch,), c, jnp.int32))
-                    t0 = time.perf_counter()
-                    state, out, _ = step(exe.target_params, dstate, state, inactive, key)
-                    jax.block_until_ready(out.count)
-                    if r:
-                        times.append(time.perf_counter() - t0)
-                samples.append((b, c, statistics.median(times)))
+        points = [(b, c) for b in variants for c in contexts]
+        times: dict[tuple, list[float]] = {pt: [] for pt in points}
+        # Rounds over every point rather than each point's runs back to back: a slow spell of the machine
+        # then lands on all buckets alike instead of pricing one of them high (four back-to-back
+        # calibrations priced bucket 8 at 36.0-42.7 ms, once below bucket 4, which decides buckets).
+        for r in range(reps + 1):  # the first round is a warm-up
+            for b, c in points:
+                state = state.replace(length=jnp.full((batch,), c, jnp.int32))
+                t0 = time.perf_counter()
+                state, out, _ = variants[b](exe.target_params, dstate, state, inactive, key)
+                jax.block_until_ready(out.count)
+                if r:
+                    times[(b, c)].append(time.perf_counter() - t0)
+        samples = [(b, c, statistics.median(times[(b, c)])) for b, c in points]
         self.latency.fit(samples)
         return samples
 
