@@ -133,14 +133,21 @@ class DraftGate:
         (this step's tree or lookup chain) counts where it beats A_bar."""
         if self.a_bar is None:
             return self.buckets[-1], float("inf")
-        a_bar = self.a_bar if curve is None else np.maximum(self.a_bar, curve)
-        rates = [(self.rho * a + 1.0) / self.step_time(b, context, True) for b, a in zip(self.buckets, a_bar)]
+        return self._best_rate(self.a_bar if curve is None else np.maximum(self.a_bar, curve), self.rho, context)
+
+    def _best_rate(self, a: np.ndarray, rho: float, context: int) -> tuple[int, float]:
+        """(bucket, tokens/s) maximising (rho A(b) + 1) / T(b, c, draft) over the buckets of curve `a`."""
+        rates = [(rho * x + 1.0) / self.step_time(b, context, True) for b, x in zip(self.buckets, a)]
         i = int(np.argmax(rates))
         return self.buckets[i], float(rates[i])
 
+    def _beats_ar(self, rate: float, context: int) -> bool:
+        """rate > (1 + margin) R_0, R_0 the plain AR step's tokens/s at this context."""
+        return rate > (1.0 + self.margin) / self.step_time(0, context, False)
+
     def pays(self, context: int, curve: np.ndarray | None = None) -> bool:
         """R_d > (1 + margin) R_0: drafting beats plain AR steps at this context, by the margin."""
-        return self.best(context, curve)[1] > (1.0 + self.margin) / self.step_time(0, context, False)
+        return self._beats_ar(self.best(context, curve)[1], context)
 
     def use_tree(self, context: int, curve: np.ndarray | None = None) -> bool:
         """With a drafted tree in hand (its curve [n_buckets]): verify it (a tree step, which drafts
@@ -152,9 +159,7 @@ class DraftGate:
             return True
         if not probing or curve is None:
             return False
-        rho = max(self.rho, 1.0)
-        own = max((rho * a + 1.0) / self.step_time(b, context, True) for b, a in zip(self.buckets, curve))
-        return own > (1.0 + self.margin) / self.step_time(0, context, False)
+        return self._beats_ar(self._best_rate(curve, max(self.rho, 1.0), context)[1], context)
 
     def root_then(self, context: int, hint: np.ndarray | None = None) -> int:
         """`then` of a root step: DRAFT when drafting pays (with `hint`, the lookup chain's curve after

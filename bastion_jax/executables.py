@@ -191,13 +191,8 @@ class Executables:
                 for b in self.buckets if 1 < b <= self.block_size}
 
     def tree_struct(self, batch: int, cache_len: int):
-        """The abstract `Tree` of the tree steps at these shapes (traced once per shape, nothing compiled)."""
-        key = ("tree_struct", batch, cache_len)
-        if key not in self._step_args:
-            cfg = self.config()
-            args = self._prefill_args(cfg, batch, 16, cache_len)
-            self._step_args[key] = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(cfg, *a)[0], *args[1:]).tree
-        return self._step_args[key]
+        """The abstract `Tree` of the tree steps at these shapes (the step arguments' state: traced once)."""
+        return self._tree_step_args(self.config(), batch, cache_len)[3].tree
 
     def verify_steps(self, batch: int, cache_len: int, step_buckets: Sequence[int]):
         """{bucket: tree_verify}: the target's half of a tree step alone (greedy), called as

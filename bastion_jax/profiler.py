@@ -71,7 +71,7 @@ class Profile:
 
 # -- measurement ------------------------------------------------------------------------------------
 
-def _median_s(run: Callable[[], object], reps: int, warmup: int) -> float:
+def median_s(run: Callable[[], object], reps: int, warmup: int) -> float:
     """Median wall time of `run` (which must synchronise), after `warmup` untimed calls."""
     for _ in range(warmup):
         run()
@@ -155,15 +155,15 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
             box["state"] = s.replace(drafter_cache=dcache)
             jax.block_until_ready(tree.tokens)
 
-        ar_step_s[c] = _median_s(ar, reps, warmup)
-        draft_s = _median_s(drafting, reps, warmup)
+        ar_step_s[c] = median_s(ar, reps, warmup)
+        draft_s = median_s(drafting, reps, warmup)
         for then, variant in ((HOLD, AR), (DRAFT, AR_DRAFT)):  # the root (AR) step, as the draft gate prices it
             if then in roots:
                 def root_step(root=roots[then]):
                     box["state"], out, _ = root(tstate, dstate, box["state"], inactive, key)
                     jax.block_until_ready(out.count)
 
-                root_samples.append((variant, c, _median_s(root_step, reps, warmup)))
+                root_samples.append((variant, c, median_s(root_step, reps, warmup)))
         bar.update()
         for b in buckets:
             bar.set_postfix_str(f"bucket {b} context {c}")
@@ -185,9 +185,9 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
                 box["state"] = s.replace(target_cache=tcache)
                 jax.block_until_ready(toks)
 
-            step_s = _median_s(full, reps, warmup)
-            verify_s = _median_s(verifying, reps, warmup)
-            forward_s = _median_s(forwarding, reps, warmup)
+            step_s = median_s(full, reps, warmup)
+            verify_s = median_s(verifying, reps, warmup)
+            forward_s = median_s(forwarding, reps, warmup)
             # Host overhead is a difference of two timings, so both are taken in alternating rounds
             # (a slow spell of the machine hits both) and the median round is kept.
             # bastion's own choice at b = 1 is a root step (it never verifies a 1-node tree).

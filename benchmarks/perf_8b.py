@@ -198,31 +198,44 @@ def markdown(meta: dict, r: dict, crit: list[dict], prof) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.arch is None and args.target is None:
-        args.arch = "qwen3-8b"
-
-    log = stderr_log(args.quiet)
-
+def setup_models(args, log):
+    """The start perf_8b and verify_probe share: Qwen3-8B shapes unless told otherwise, the persistent
+    compilation cache, the prefix attention mode, and the models built as `python -m bastion_jax.profile`
+    builds them (its `setup`, with measured peaks). Raises one of `run_errors()`."""
     import jax
 
+    from bastion_jax.modeling.attention import set_prefix_kernel
+    from bastion_jax.profile import setup
+
+    if args.arch is None and args.target is None:
+        args.arch = "qwen3-8b"
     if args.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+    args.peaks = "measure"  # the profiler's flag: setup measures copy bandwidth and matmul rate
+    set_prefix_kernel(args.prefix_attention)
+    return setup(args, log)
 
+
+def run_errors() -> tuple[type[Exception], ...]:
+    """The bad-input errors a run reports as one line."""
     from bastion_jax.checkpoints import CheckpointError
     from bastion_jax.config import ConfigError
     from bastion_jax.engine import GenerationError
-    from bastion_jax.modeling.attention import prefix_kernel_mode, set_prefix_kernel
-    from bastion_jax.profile import ProfileError, setup
+    from bastion_jax.profile import ProfileError
+
+    return ProfileError, CheckpointError, ConfigError, GenerationError, ValueError
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log = stderr_log(args.quiet)
+
+    from bastion_jax.modeling.attention import prefix_kernel_mode
     from bastion_jax.profile_report import device_meta, plot
     from bastion_jax.profiler import run_profile
 
-    # The profiler's flags, so `setup` validates and builds exactly as `python -m bastion_jax.profile`.
-    args.peaks = "measure"
-    set_prefix_kernel(args.prefix_attention)
     try:
-        s = setup(args, log)
+        s = setup_models(args, log)
         engine = s.engine
         prof = run_profile(engine, s.contexts, s.cache_len, reps=args.reps, warmup=args.warmup,
                            progress=not args.quiet)
@@ -233,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "target_steps": prefix_kernel_mode(tcfg.head_dim, s.cache_len) or "xla"}
         # The real decode loop, with everything already compiled: its own compile counters must stay 0.
         res = engine.generate([[1] * 16], max_new_tokens=args.gen_tokens, mode="bastion", max_len=s.cache_len)
-    except (ProfileError, CheckpointError, ConfigError, GenerationError, ValueError) as e:
+    except run_errors() as e:
         return fail(e)
     st = res.stats
     r["compilations_in_generate_loop"] = st.compilations + st.compilations_after_warmup

@@ -28,19 +28,9 @@ import time
 from pathlib import Path
 
 from bastion_jax.cli import fail, stderr_log
-from benchmarks.perf_8b import AR_FLOOR_MIN, VERIFY_MAX, build_parser, kv_bytes, step_weight_bytes
+from benchmarks.perf_8b import (AR_FLOOR_MIN, VERIFY_MAX, build_parser, kv_bytes, run_errors, setup_models,
+                                step_weight_bytes)
 from benchmarks.report import commit
-
-
-def _median_s(run, reps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def sample_tree(exe, depth: int, batch: int, cache_len: int, top_k: int, seed: int = 0):
@@ -66,6 +56,7 @@ def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
     import jax
     import numpy as np
 
+    from bastion_jax.profiler import median_s
     from bastion_jax.sampling import SamplingConfig, sampler
 
     exe, buckets = engine.executables, engine.buckets
@@ -106,7 +97,7 @@ def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
             nxt, box["cache"] = ar_step(params, box["cache"], token, length, key, active)
             jax.block_until_ready(nxt)
 
-        result["ar_step_s"][str(c)] = _median_s(ar, reps, warmup)
+        result["ar_step_s"][str(c)] = median_s(ar, reps, warmup)
         for b in buckets:
             tokens = jax.device_put(np.zeros((1, b), np.int32))
 
@@ -118,8 +109,8 @@ def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
                 out, box["cache"] = forward[b](params, box["cache"], tokens, length)
                 jax.block_until_ready(out)
 
-            result["verify_s"][f"{b}@{c}"] = _median_s(ver, reps, warmup)
-            result["forward_s"][f"{b}@{c}"] = _median_s(fwd, reps, warmup)
+            result["verify_s"][f"{b}@{c}"] = median_s(ver, reps, warmup)
+            result["forward_s"][f"{b}@{c}"] = median_s(fwd, reps, warmup)
     return result
 
 
@@ -171,28 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     p.prog, p.description = "python -m benchmarks.verify_probe", __doc__
     args = p.parse_args(argv)
-    if args.arch is None and args.target is None:
-        args.arch = "qwen3-8b"
     if args.gen_tokens != p.get_default("gen_tokens"):
         return fail(ValueError("--gen-tokens sets perf_8b's generation loop; verify_probe runs none"))
     log = stderr_log(args.quiet)
 
     import jax
 
-    if args.compilation_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
-    from bastion_jax.checkpoints import CheckpointError
-    from bastion_jax.config import ConfigError
-    from bastion_jax.engine import GenerationError
-    from bastion_jax.modeling.attention import set_prefix_kernel
-    from bastion_jax.profile import ProfileError, setup
-
-    args.peaks = "measure"
-    set_prefix_kernel(args.prefix_attention)
     try:
-        s = setup(args, log)
+        s = setup_models(args, log)
         m = measure(s.engine, s.contexts, s.cache_len, args.reps, args.warmup)
-    except (ProfileError, CheckpointError, ConfigError, GenerationError, ValueError) as e:
+    except run_errors() as e:
         return fail(e)
     engine = s.engine
     r = report(engine, m)
