@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bastion_jax.modeling.cache import KVCache, causal_mask
-from bastion_jax.sampling import sample
+from bastion_jax.sampling import argmax, sample
 from bastion_jax.step_config import StepConfig
 
 
@@ -59,4 +59,4 @@ def forward(cfg: StepConfig, state: nnx.State, cache: KVCache, tokens: jax.Array
     model = nnx.merge(cfg.target_def, state)
     b, t = tokens.shape
     out = model(tokens, lengths[:, None] + jnp.arange(t)[None], cache, lengths, causal_mask(b, t))
-    return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
+    return argmax(out.logits), out.cache

@@ -23,7 +23,7 @@ from flax import nnx, struct
 
 from bastion_jax.decoding import prefill_target
 from bastion_jax.modeling.cache import KVCache, causal_mask
-from bastion_jax.sampling import sample
+from bastion_jax.sampling import argmax, sample
 from bastion_jax.step_config import Proposal, StepConfig
 
 
@@ -138,7 +138,7 @@ def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, c
 def draft_block(*args, draft_vocab: Optional[DraftVocab] = None, **kwargs) -> tuple[jax.Array, KVCache]:
     """Greedy chain drafts [b, B-1]: losslessness comes from verification, not from drafting."""
     logits, cache = draft_logits(*args, draft_vocab=draft_vocab, **kwargs)
-    drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    drafts = argmax(logits)
     return (draft_vocab.to_target(drafts) if draft_vocab is not None else drafts), cache
 
 

@@ -19,7 +19,7 @@ from flax import nnx, struct
 from bastion_jax.decoding import prefill_target
 from bastion_jax.lookup import Chain, LookupState, advance, chain_curve, init_state
 from bastion_jax.modeling.cache import KVCache, append_rows, causal_mask, write_rows
-from bastion_jax.sampling import sample
+from bastion_jax.sampling import argmax, sample
 from bastion_jax.speculative import DraftVocab, StepOutput, draft_logits, merge_models
 from bastion_jax.step_config import StepConfig
 from bastion_jax.tree import Tree, build_tree, chain_tree, slice_tree, surrogate_curve
@@ -223,7 +223,7 @@ def tree_verify(cfg: StepConfig, target_state, target_cache: KVCache, tree: Tree
     positions = length[:, None] + tree.depths  # [b, n]
     out = target(jnp.maximum(tree.tokens, 0), positions, target_cache, length, tree.ancestors,
                  tap_layers=cfg.tap_layers)
-    return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
+    return argmax(out.logits), out.cache
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("drafter_cache",))

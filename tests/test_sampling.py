@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bastion_jax.sampling import PREFILTER, SamplingConfig, filter_logits, sample, sampler
+from bastion_jax.sampling import PREFILTER, SamplingConfig, argmax, filter_logits, sample, sampler
 from bastion_jax.testing import filtered_probs
 
 LOGITS = jnp.log(jnp.array([0.05, 0.4, 0.25, 0.2, 0.1]))
@@ -57,6 +57,20 @@ def test_greedy_is_argmax():
     assert int(sample(LOGITS, jax.random.PRNGKey(0), greedy=True)) == 1
     with pytest.raises(TypeError, match="Sampler"):
         sample(LOGITS, jax.random.PRNGKey(0), greedy=False)  # a sampling step needs its parameters
+
+
+@pytest.mark.parametrize("vocab", [7, 1024, 2048, 5000, 49152])
+def test_two_pass_argmax_equals_argmax(vocab):
+    """First index of the maximum, ties included (small integers tie often), whole blocks or a tail."""
+    rng = np.random.default_rng(vocab)
+    for x in (rng.integers(0, 3, size=(4, vocab)), rng.normal(size=(2, 3, vocab))):
+        x = x.astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(x))), x.argmax(-1))
+    x = np.zeros((3, 5000), np.float32)
+    x[0, [4000, 4999]] = 1  # a tie between the last block and the tail: the earlier index
+    x[1, 4990] = 1  # the maximum in the tail
+    x[2, [3, 2047]] = 1  # a tie across blocks
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(x), chunk=1024)), [4000, 4990, 3])
 
 
 def test_invalid_sampling_config():
