@@ -33,7 +33,7 @@ DEVICE_PEAKS = {
 
 # Bump when the compiled steps' costs change (attention, fusion, compaction...): a calibration
 # measured on older steps would misprice the new ones, so it is part of the calibration key.
-STEPS_VERSION = 3  # 2: attention over the live context only (issue 14); 3: head-major KV cache, two-pass argmax
+STEPS_VERSION = 3  # 2: attention over the live context only (issue 14); 3: two-pass greedy argmax
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,11 +41,10 @@ def compact_cache(cache: KVCache, start: jax.Array, path: jax.Array, active: jax
     # one-slot window makes XLA copy the whole cache buffer).
     if path.shape[1] == 1:
         return cache
-    # every layer at once: [layers, b, kv_heads, max_len, d]
+    # every layer at once: [layers, b, max_len, kv_heads, d]
     src, rows = start[:, None] + path, jnp.arange(path.shape[0])[:, None]  # [b, L] slots of the accepted nodes
 
     def move_all(buf):
-        moved = buf[:, rows, :, src]  # [b, L, layers, kv_heads, d]
-        return write_layer_rows(buf, None, jnp.moveaxis(moved, 2, 0), start, active)
+        return write_layer_rows(buf, None, buf[:, rows, src], start, active)
 
     return KVCache(k=move_all(cache.k), v=move_all(cache.v))

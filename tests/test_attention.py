@@ -35,11 +35,6 @@ def dense_mask(lengths: np.ndarray, new_mask: np.ndarray, max_len: int) -> np.nd
     return out
 
 
-def heads_major(cache: jax.Array) -> jax.Array:
-    """A token-major cache [b, max_len, kv, d] (what the references read) as the steps keep it: [b, kv, max_len, d]."""
-    return cache.swapaxes(1, 2)
-
-
 def check(rng, *, b, max_len, lengths, new_mask, hq=4, hkv=2, d=8, dtype=jnp.float32, tol=2e-5, **chunks):
     t, t_k = new_mask.shape[1:]
     q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
@@ -48,14 +43,13 @@ def check(rng, *, b, max_len, lengths, new_mask, hq=4, hkv=2, d=8, dtype=jnp.flo
     k_new = jnp.asarray(rng.normal(size=(b, t_k, hkv, d)) * 3, dtype)
     v_new = jnp.asarray(rng.normal(size=(b, t_k, hkv, d)), dtype)
     length = jnp.asarray(lengths, jnp.int32)
-    got = attend_split(q, heads_major(k_cache), heads_major(v_cache), length, k_new, v_new, jnp.asarray(new_mask),
-                       **chunks)
+    got = attend_split(q, k_cache, v_cache, length, k_new, v_new, jnp.asarray(new_mask), **chunks)
     want = attend(q, write_rows(k_cache, k_new, length), write_rows(v_cache, v_new, length),
                   jnp.asarray(dense_mask(np.asarray(lengths), new_mask, max_len)))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
-    # The models' form: one layer (here 1, a traced index) of stacked caches [layers, b, kv, max_len, d],
+    # The models' form: one layer (here 1, a traced index) of stacked caches [layers, b, max_len, kv, d],
     # read in place, the other layers holding other values.
-    stacked = [jnp.stack([-c, c, c * 0 + 5]) for c in (heads_major(k_cache), heads_major(v_cache))]
+    stacked = [jnp.stack([-c, c, c * 0 + 5]) for c in (k_cache, v_cache)]
     in_place = jax.jit(lambda i: attend_split(q, *stacked, length, k_new, v_new, jnp.asarray(new_mask), layer=i,
                                               **chunks))(jnp.int32(1))
     np.testing.assert_allclose(np.asarray(in_place, np.float32), np.asarray(got, np.float32), rtol=1e-6, atol=1e-6)
@@ -108,9 +102,8 @@ def test_prefix_loop_stops_at_the_live_context():
     k, v = k_cache[:, :t], v_cache[:, :t]
     length = jnp.asarray([5, 16], jnp.int32)
     mask = causal_mask(b, t)
-    k_cache, v_cache = heads_major(k_cache), heads_major(v_cache)  # [b, kv, max_len, d]
     clean = attend_split(q, k_cache, v_cache, length, k, v, mask, prefix_chunk=8)
-    poisoned = attend_split(q, k_cache.at[:, :, 16:].set(jnp.nan), v_cache.at[:, :, 16:].set(jnp.nan), length, k, v,
+    poisoned = attend_split(q, k_cache.at[:, 16:].set(jnp.nan), v_cache.at[:, 16:].set(jnp.nan), length, k, v,
                             mask, prefix_chunk=8)
     np.testing.assert_array_equal(np.asarray(clean), np.asarray(poisoned))
     assert np.isfinite(np.asarray(clean)).all()
@@ -155,8 +148,8 @@ def test_nothing_committed_reads_no_prefix(t):
     rng = np.random.default_rng(t)
     b, max_len, hq, hkv, d = 2, 24, 4, 2, 8
     q = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.float32)
-    k_cache = jnp.asarray(rng.normal(size=(b, hkv, max_len, d)) * 3, jnp.float32)  # head-major
-    v_cache = jnp.asarray(rng.normal(size=(b, hkv, max_len, d)), jnp.float32)
+    k_cache = jnp.asarray(rng.normal(size=(b, max_len, hkv, d)) * 3, jnp.float32)
+    v_cache = jnp.asarray(rng.normal(size=(b, max_len, hkv, d)), jnp.float32)
     k_new = jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.float32)
     v_new = jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.float32)
     mask = causal_mask(b, t)

@@ -37,9 +37,8 @@ class Partial(NamedTuple):
 
 
 def _group(q: jax.Array, kv_heads: int) -> jax.Array:
-    """q [b, t, q_heads, d] -> [b, kv_heads, groups, t, d]: each kv head's queries, head-major like the cache."""
     b, t, hq, d = q.shape
-    return q.reshape(b, t, kv_heads, hq // kv_heads, d).transpose(0, 2, 3, 1, 4)
+    return q.reshape(b, t, kv_heads, hq // kv_heads, d)  # [b, t, kv_heads, groups, d]
 
 
 def empty(q: jax.Array, kv_heads: int) -> Partial:
@@ -49,19 +48,18 @@ def empty(q: jax.Array, kv_heads: int) -> Partial:
 
 
 def update(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> Partial:
-    """Fold head-major keys k, v [b, kv_heads, s, d] into `part`; visible: [b, t or 1, s] bool.
+    """Fold keys k, v [b, s, kv_heads, d] into `part`; visible: [b, t or 1, s] bool.
 
-    qg: [b, kv_heads, groups, t, d] grouped queries (`_group`). Both matmuls take their operands as
-    they lie (batch dims b, kv_heads leading): no transpose of a chunk of keys per trip."""
+    qg: [b, t, kv_heads, groups, d] grouped queries."""
     d = qg.shape[-1]
-    scores = jnp.einsum("bkgtd,bksd->bkgts", qg, k.astype(qg.dtype), preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(qg.dtype), preferred_element_type=jnp.float32)
     scores = scores * (d ** -0.5)  # [b, kv_heads, groups, t, s]
     vis = visible[:, None, None]  # [b, 1, 1, t, s]
     scores = jnp.where(vis, scores, NEG_INF)
     m = jnp.maximum(part.m, scores.max(axis=-1))
     p = jnp.where(vis, jnp.exp(scores - m[..., None]), 0.0)  # [b, kv_heads, groups, t, s]
     scale = jnp.exp(part.m - m)  # 1 while both are NEG_INF: l and acc are still 0
-    pv = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return Partial(m, part.l * scale + p.sum(axis=-1), part.acc * scale[..., None] + pv)
 
 
@@ -69,7 +67,7 @@ def chunked(part: Partial, qg: jax.Array, read: Callable[[jax.Array, int], tuple
             size: int, n_chunks: jax.Array | int, chunk: int,
             visible: Callable[[jax.Array, jax.Array], jax.Array]) -> Partial:
     """Fold `size` keys in `n_chunks` trips of `chunk` slots (a traced count stops the loop at the
-    live context). read(start, chunk) -> k, v [b, kv_heads, chunk, d] of slots start..; visible(slots
+    live context). read(start, chunk) -> k, v [b, chunk, kv_heads, d] of slots start..; visible(slots
     [chunk], first [1]) -> [b, t or 1, chunk] says which of the chunk's slots each query sees; slots
     before `first` were folded by the previous trip (the last chunk is shifted back to fit in
     `size`, never clamped past it)."""
@@ -85,33 +83,33 @@ def chunked(part: Partial, qg: jax.Array, read: Callable[[jax.Array, int], tuple
 
 
 def _slots(k: jax.Array, v: jax.Array) -> Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]:
-    """`chunked`'s read for head-major keys k, v [b, kv_heads, S, d]: slots start..start + n of both."""
+    """`chunked`'s read for keys k, v [b, S, kv_heads, d]: slots start..start + n of both."""
 
     def read(start, n):
-        return jax.lax.dynamic_slice_in_dim(k, start, n, axis=2), jax.lax.dynamic_slice_in_dim(v, start, n, axis=2)
+        return jax.lax.dynamic_slice_in_dim(k, start, n, axis=1), jax.lax.dynamic_slice_in_dim(v, start, n, axis=1)
 
     return read
 
 
 def prefix(part: Partial, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array,
            chunk: int = PREFIX_CHUNK, layer: int | jax.Array | None = None) -> Partial:
-    """Fold the committed prefix: cache slots < length[b] of head-major k_cache, v_cache [b, kv_heads,
-    max_len, d], or with `layer`, of that layer of stacked caches [layers, b, kv_heads, max_len, d], read
-    chunk by chunk straight from the stacked buffer."""
+    """Fold the committed prefix: cache slots < length[b] of k_cache, v_cache [b, max_len, kv_heads, d],
+    or with `layer`, of that layer of stacked caches [layers, b, max_len, kv_heads, d], read chunk by
+    chunk straight from the stacked buffer."""
 
     def visible(slots, first):
         return ((slots >= first)[None] & (slots[None] < length[:, None]))[:, None, :]  # [b, 1, chunk]
 
     if layer is None:
-        size, read = k_cache.shape[2], _slots(k_cache, v_cache)
+        size, read = k_cache.shape[1], _slots(k_cache, v_cache)
     else:
-        _, b, hkv, size, d = k_cache.shape
+        _, b, size, hkv, d = k_cache.shape
         if size <= chunk:  # one read covers the cache (a loop over a whole-buffer slice makes XLA copy the cache)
             k_l, v_l = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (k_cache, v_cache))
             return update(part, qg, k_l, v_l, (jnp.arange(size)[None] < length[:, None])[:, None, :])
 
         def read(start, n):
-            at, shape = (layer, 0, 0, start, 0), (1, b, hkv, n, d)
+            at, shape = (layer, 0, start, 0, 0), (1, b, n, hkv, d)
             return jax.lax.dynamic_slice(k_cache, at, shape)[0], jax.lax.dynamic_slice(v_cache, at, shape)[0]
     step = min(chunk, size)
     n_chunks = (jnp.max(length) + step - 1) // step  # trips up to the batch's last live slot
@@ -120,10 +118,8 @@ def prefix(part: Partial, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
 def new_keys(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
              chunk: int = NEW_CHUNK) -> Partial:
-    """Fold the step's own keys k, v [b, t_k, kv_heads, d] (token-major, as projected) seen through mask
-    [b, t, t_k]."""
-    k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [b, kv_heads, t_k, d]: one small transpose per layer
-    size = k.shape[2]
+    """Fold the step's own keys k, v [b, t_k, kv_heads, d] seen through mask [b, t, t_k]."""
+    size = k.shape[1]
     if size <= chunk:
         return update(part, qg, k, v, mask)
 
@@ -144,9 +140,9 @@ def finish(part: Partial, dtype: jnp.dtype) -> jax.Array:
 def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array | None, k: jax.Array,
                  v: jax.Array, mask: jax.Array, *, layer: int | jax.Array | None = None,
                  prefix_chunk: int = PREFIX_CHUNK, new_chunk: int = NEW_CHUNK) -> jax.Array:
-    """Attention of q [b, t, q_heads, d] over the cache prefix (slots < length[b] of head-major
-    k_cache/v_cache [b, kv_heads, max_len, d], or of layer `layer` of stacked ones [layers, b, kv_heads,
-    max_len, d]) and the new keys k, v [b, t_k, kv_heads, d] (token-major) through mask [b, t, t_k].
+    """Attention of q [b, t, q_heads, d] over the cache prefix (slots < length[b] of k_cache/v_cache
+    [b, max_len, kv_heads, d], or of layer `layer` of stacked ones [layers, b, max_len, kv_heads, d])
+    and the new keys k, v [b, t_k, kv_heads, d] through mask [b, t, t_k].
 
     `length` None says, at trace time, that nothing is committed (a prefill): the prefix is not
     read at all. (A constant zero length gives the same result, but XLA:GPU then constant-folds the
@@ -158,7 +154,7 @@ def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: j
 
     Returns [b, t, q_heads * d]; equal to `attend` over [prefix | new] up to float rounding."""
     qg = _group(q, k.shape[2])
-    slots = k_cache.shape[2 if layer is None else 3]
+    slots = k_cache.shape[1 if layer is None else 2]
     kernel = prefix_kernel_mode(q.shape[-1], slots)
     if length is None:
         part = empty(q, k.shape[2])
@@ -210,8 +206,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     Every query must see at least one key (it always sees itself in our uses).
     """
     b, t, hq, d = q.shape
-    qg = _group(q, k.shape[2])  # [b, kv_heads, groups, t, d]
-    scores = jnp.einsum("bkgtd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    qg = _group(q, k.shape[2])  # [b, t, kv_heads, groups, d]
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (d ** -0.5)
     scores = jnp.where(mask[:, None, None], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [b, kv_heads, groups, t, s]

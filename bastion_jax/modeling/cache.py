@@ -17,28 +17,22 @@ from bastion_jax.dflash_config import DrafterConfig
 
 @struct.dataclass
 class KVCache:
-    """Every layer's keys and values as one stacked buffer each, `[layers, batch, kv_heads, max_len,
-    head_dim]` (head-major), whether the layers run unrolled or under a scan.
+    """Every layer's keys and values as one stacked buffer each, `[layers, batch, max_len, kv_heads,
+    head_dim]`, whether the layers run unrolled or under a scan.
 
     One buffer per kind, not one per layer: every buffer is an argument of each jitted step, and on
     CPU the host's dispatch of a step costs a few microseconds per argument, cache-cold after the
     step before (SmolLM2's 60 per-layer buffers were ~0.2 ms of a ~25 ms tree step). Layers write with
     `write_layer(i, ...)` (one scatter into layer i's rows, in place when the cache is donated) and
     attention reads layer i's live slots chunk by chunk straight from the stacked buffer (`layer(i)`),
-    so no layer's buffer is ever sliced out whole.
+    so no layer's buffer is ever sliced out whole."""
 
-    Head-major because attention contracts each kv head's slots with its queries: a chunk of slots
-    `[batch, kv_heads, chunk, head_dim]` is a batched matmul operand as it lies, where a token-major
-    `[batch, chunk, kv_heads, head_dim]` chunk was transposed (copied) for every trip of the prefix
-    loop, in every layer (SmolLM2's AR step on 2 CPU cores: 19.4 -> 17.1 ms at context 256, 24.2 ->
-    21.0 at context 700)."""
-
-    k: jax.Array  # [layers, batch, kv_heads, max_len, head_dim]
+    k: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
     v: jax.Array
 
     @classmethod
     def create(cls, cfg: TargetConfig | DrafterConfig, batch: int, max_len: int, dtype: jnp.dtype) -> "KVCache":
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     @property
@@ -47,7 +41,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k.shape[2]
 
     def layer(self, i: int | jax.Array) -> tuple[jax.Array, jax.Array, int | jax.Array]:
         """What attention reads for layer i: the stacked buffers and the layer's index in them."""
@@ -66,22 +60,18 @@ class KVCache:
 
 def write_layer_rows(buf: jax.Array, layer: int | jax.Array | None, new: jax.Array, start: jax.Array,
                      active: jax.Array | None = None) -> jax.Array:
-    """Write token-major `new` [batch, t, kv_heads, d] into layer `layer` of a stacked head-major buffer
-    [layers, batch, kv_heads, max_len, d] at slots start[b] + j (every layer when `layer` is None, `new`
-    then [layers, batch, t, kv_heads, d]), as one scatter: inside a scan over layers the buffer is
-    updated in place."""
+    """`write_rows` into layer `layer` of a stacked buffer [layers, batch, max_len, ...] (every layer
+    when `layer` is None, `new` then [layers, batch, t, ...]), as one scatter: inside a scan over
+    layers the buffer is updated in place."""
     lead = 1 if layer is None else 0  # new's own layer axis
     b, t = new.shape[lead], new.shape[lead + 1]
     rows = jnp.arange(b)[:, None]  # [b, 1]
     slots = start[:, None] + jnp.arange(t)[None]  # [b, t]
-    # Advanced indices apart (the kv-head slice between them): the selection is [b, t, (layers,) kv, d]
-    if layer is None:
-        at, new = (slice(None), rows, slice(None), slots), jnp.moveaxis(new, 0, 2)  # new: [b, t, layers, kv, d]
-    else:
-        at = (layer, rows, slice(None), slots)
+    at = (slice(None), rows, slots) if layer is None else (layer, rows, slots)
     new = new.astype(buf.dtype)
     if active is not None:  # finished rows keep what they had
-        new = jnp.where(active.reshape((b,) + (1,) * (new.ndim - 1)), new, buf[at])
+        keep = active[:, None, None, None] if layer is not None else active[None, :, None, None, None]
+        new = jnp.where(keep, new, buf[at])
     return buf.at[at].set(new)
 
 
