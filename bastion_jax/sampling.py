@@ -4,7 +4,8 @@ Greedy or not is the only static choice (`StepConfig.greedy`: greedy steps compi
 argmax with no RNG work). Temperature, top-k and top-p travel as arrays in a `Sampler` together
 with the PRNG key, so a request with other values reuses the compiled steps. Top-k and top-p
 look at the `PREFILTER` largest logits only (`lax.top_k`, no full-vocabulary sort) and fall back
-to a full sort only in the rare case the answer lies outside them, so the result is always exact.
+to a bisection over the whole vocabulary only when the answer lies outside them, so the result is
+always exact and nothing sorts the vocabulary.
 """
 
 from __future__ import annotations
@@ -53,8 +54,48 @@ def sampler(key: jax.Array, cfg: "SamplingConfig") -> Sampler:
     return Sampler(key, jnp.float32(cfg.temperature), jnp.int32(cfg.top_k), jnp.float32(cfg.top_p))
 
 
-def _descending(z: jax.Array) -> jax.Array:
-    return -jnp.sort(-z, axis=-1)
+def _order_keys(z: jax.Array) -> jax.Array:
+    """float32 -> uint32 in the same order (the radix-sort key: negative floats with every bit flipped,
+    the rest with the sign bit set). -inf is the lowest key; NaN does not occur in filtered logits."""
+    bits = jax.lax.bitcast_convert_type(z.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _from_key(key: jax.Array) -> jax.Array:
+    bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _largest_cut(z: jax.Array, enough) -> jax.Array:
+    """Per row of z [..., vocab], the largest logit v such that `enough(z >= v)` (a test of the kept set,
+    monotone: true for a superset of a set it is true for, and true at the row's minimum). [..., 1]
+
+    A bisection on the floats' bit order: 32 halvings of the key range, each one pass over the row,
+    instead of a full sort (16 rows of a 49k vocabulary: ~135 ms to sort on 2 CPU cores). The answer
+    is a logit of the row, as a sort would give it: the kept set only changes at a logit's value."""
+    keys = _order_keys(z)  # [..., vocab]
+    lo, hi = keys.min(axis=-1), keys.max(axis=-1)  # enough(everything) holds at lo; the answer is in [lo, hi]
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo + 1) // 2  # the upper middle: lo < mid <= hi while lo < hi
+        ok = enough(keys >= mid[..., None])
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return _from_key(lo)[..., None]
+
+
+def _kth_largest(z: jax.Array, k: jax.Array) -> jax.Array:
+    """The k-th largest logit of each row (ties counted), [..., 1]."""
+    return _largest_cut(z, lambda kept: kept.sum(axis=-1) >= k)
+
+
+def _nucleus_cut(z: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The top-p threshold of each row, [..., 1]: the largest logit v whose set {z >= v} holds mass
+    >= top_p under softmax(z) (the last value of the smallest sorted prefix reaching top_p)."""
+    probs = jnp.exp(z - jax.nn.logsumexp(z, axis=-1, keepdims=True))
+    return _largest_cut(z, lambda kept: jnp.sum(jnp.where(kept, probs, 0.0), axis=-1) >= top_p)
 
 
 def _nucleus(values: jax.Array, z: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -70,23 +111,21 @@ def filter_logits(logits: jax.Array, s: Sampler) -> jax.Array:
     """Tempered logits with everything outside top-k / the top-p nucleus set to -inf. [..., vocab]
 
     Both cut-offs are read from the PREFILTER largest logits; when the answer lies beyond them for
-    some row (top-k > PREFILTER, or a nucleus wider than PREFILTER tokens) the batch sorts in full.
+    some row (top-k > PREFILTER, or a nucleus wider than PREFILTER tokens) the batch finds them by
+    bisection over the whole vocabulary (`_largest_cut`), never by a full sort.
     """
     z = logits.astype(jnp.float32) / s.temperature
     vocab = z.shape[-1]
     top = jax.lax.top_k(z, min(PREFILTER, vocab))[0]  # [..., n] descending
     k = s.top_k
     use_k = (k > 0) & (k < vocab)
-
-    def kth(values):  # the k-th largest logit, [..., 1]
-        return jnp.take(values, jnp.clip(k - 1, 0, values.shape[-1] - 1), axis=-1)[..., None]
-
-    cut = jax.lax.cond(use_k & (k > top.shape[-1]), lambda: kth(_descending(z)), lambda: kth(top))
+    kth = jnp.take(top, jnp.clip(k - 1, 0, top.shape[-1] - 1), axis=-1)[..., None]  # within the prefilter
+    cut = jax.lax.cond(use_k & (k > top.shape[-1]), lambda: _kth_largest(z, k), lambda: kth)
     z = jnp.where(use_k & (z < cut), -jnp.inf, z)
     top = jnp.where(use_k & (top < cut), -jnp.inf, top)
     threshold, covered = _nucleus(top, z, s.top_p)
     wider = (s.top_p < 1.0) & jnp.any(covered < s.top_p)  # some nucleus reaches past the prefilter
-    threshold = jax.lax.cond(wider, lambda: _nucleus(_descending(z), z, s.top_p)[0], lambda: threshold)
+    threshold = jax.lax.cond(wider, lambda: _nucleus_cut(z, s.top_p), lambda: threshold)
     return jnp.where((s.top_p < 1.0) & (z < threshold), -jnp.inf, z)
 
 
@@ -121,4 +160,10 @@ def sample(logits: jax.Array, key, greedy: bool) -> jax.Array:
         return argmax(logits)
     if not isinstance(key, Sampler):
         raise TypeError("a sampling step needs a Sampler (sampling.sampler(key, SamplingConfig(...))), not a bare key")
-    return jax.random.categorical(key.key, filter_logits(logits, key), axis=-1).astype(jnp.int32)
+    # Plain temperature sampling skips the top-k / top-p pass (its prefilter is a top-256 of every row).
+    filtered = (key.top_k > 0) | (key.top_p < 1.0)
+    z = jax.lax.cond(filtered, lambda x: filter_logits(x, key), lambda x: x.astype(jnp.float32) / key.temperature,
+                     logits)
+    # Gumbel-max, as jax.random.categorical draws (the same noise for the same key, so the same samples),
+    # with the two-pass argmax.
+    return argmax(z + jax.random.gumbel(key.key, z.shape, z.dtype))

@@ -73,6 +73,36 @@ def test_two_pass_argmax_equals_argmax(vocab):
     np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(x), chunk=1024)), [4000, 4990, 3])
 
 
+@pytest.mark.parametrize("cfg", [SamplingConfig(0.7), SamplingConfig(1.3, top_k=40), SamplingConfig(1.0, top_p=0.9)])
+def test_samples_equal_jax_categorical_draws(cfg):
+    """Gumbel-max with the two-pass argmax draws what jax.random.categorical draws for the same key (the
+    filter skipped when neither top-k nor top-p is on), row by row."""
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(6, 3000)) * 3, jnp.float32)
+    for seed in range(5):
+        s = sampler(jax.random.PRNGKey(seed), cfg)
+        want = jax.random.categorical(s.key, filter_logits(logits, s), axis=-1)
+        np.testing.assert_array_equal(np.asarray(jax.jit(sample, static_argnums=2)(logits, s, False)), np.asarray(want))
+
+
+def test_bisection_cuts_equal_the_sorted_ones():
+    """The k-th largest logit and the top-p threshold found by bisection over the float bit order equal
+    what a full sort gives: ties, negative and -inf logits, k at both ends, p from tiny to ~1."""
+    from bastion_jax.sampling import _kth_largest, _nucleus, _nucleus_cut
+
+    rng = np.random.default_rng(5)
+    z = rng.normal(size=(5, 3000)).astype(np.float32) * 4
+    z[1] = np.round(z[1])  # many ties
+    z[2, :1000] = -np.inf  # a top-k cut before the nucleus
+    z[3] -= 1e4  # all negative, far from zero
+    z = jnp.asarray(z)
+    desc = -np.sort(-np.asarray(z), axis=-1)
+    for k in (1, 2, 257, 1999, 2000):
+        np.testing.assert_array_equal(np.asarray(_kth_largest(z, jnp.int32(k)))[:, 0], desc[:, k - 1])
+    for p in (1e-4, 0.3, 0.9, 0.999):
+        want = np.asarray(_nucleus(jnp.asarray(desc), z, jnp.float32(p))[0])
+        np.testing.assert_array_equal(np.asarray(jax.jit(_nucleus_cut)(z, jnp.float32(p))), want)
+
+
 def test_invalid_sampling_config():
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(1.0, top_p=0.0)
