@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-PREFILTER = 256  # logits looked at by top-k / top-p before any full sort
+PREFILTER = 256  # logits top-k / top-p look at first (past them: a bisection over the whole row)
 ARGMAX_CHUNK = 1024  # logits per block of `argmax`'s first pass
 
 
