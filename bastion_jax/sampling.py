@@ -164,6 +164,33 @@ def sample(logits: jax.Array, key, greedy: bool) -> jax.Array:
     filtered = (key.top_k > 0) | (key.top_p < 1.0)
     z = jax.lax.cond(filtered, lambda x: filter_logits(x, key), lambda x: x.astype(jnp.float32) / key.temperature,
                      logits)
-    # Gumbel-max, as jax.random.categorical draws (the same noise for the same key, so the same samples),
-    # with the two-pass argmax.
-    return argmax(z + jax.random.gumbel(key.key, z.shape, z.dtype))
+    return draw(z, key.key)
+
+
+def _last_positive(x: jax.Array) -> jax.Array:
+    """Index of the last entry > 0 along the last axis of x [..., n] (0 if none). [...]"""
+    n = x.shape[-1]
+    return n - 1 - jnp.argmax(jnp.flip(x, axis=-1) > 0, axis=-1)
+
+
+def draw(z: jax.Array, key: jax.Array, chunk: int = ARGMAX_CHUNK) -> jax.Array:
+    """One token per row of softmax(z) [..., vocab] -> [...] int32, by inverse CDF from one uniform per row.
+
+    A Gumbel-max draw (`jax.random.categorical`) needs a random number per logit: 3.5 ms for 16 rows
+    of a 49k vocabulary on 2 CPU cores, 21 ms for 64, where exp and block sums cost 0.2 / 0.6. Here
+    the row's mass is summed per block of `chunk` logits, the uniform picks the block by the blocks'
+    running sum and the token by the running sum inside that block. Tokens of zero probability (-inf
+    logits: outside top-k / top-p) are never drawn, whatever the rounding."""
+    lead, vocab = z.shape[:-1], z.shape[-1]
+    blocks = -(-vocab // chunk)
+    p = jnp.exp(z - z.max(axis=-1, keepdims=True))  # [..., vocab] unnormalised, the largest 1
+    p = jnp.pad(p, [(0, 0)] * len(lead) + [(0, blocks * chunk - vocab)]).reshape(lead + (blocks, chunk))
+    mass = p.sum(axis=-1)  # [..., blocks]
+    cum = jnp.cumsum(mass, axis=-1)
+    u = jax.random.uniform(key, lead, jnp.float32) * cum[..., -1]  # [...] in [0, total]
+    block = jnp.minimum(jnp.sum(cum <= u[..., None], axis=-1), _last_positive(mass))  # first block passing u
+    before = jnp.where(block > 0, jnp.take_along_axis(cum, jnp.maximum(block - 1, 0)[..., None], axis=-1)[..., 0], 0.0)
+    inner = jnp.take_along_axis(p, block[..., None, None], axis=-2)[..., 0, :]  # [..., chunk]
+    rest = (u - before)[..., None]
+    index = jnp.minimum(jnp.sum(jnp.cumsum(inner, axis=-1) <= rest, axis=-1), _last_positive(inner))
+    return (block * chunk + index).astype(jnp.int32)
