@@ -68,7 +68,8 @@ def _from_key(key: jax.Array) -> jax.Array:
 
 def _largest_cut(z: jax.Array, enough) -> jax.Array:
     """Per row of z [..., vocab], the largest logit v such that `enough(z >= v)` (a test of the kept set,
-    monotone: true for a superset of a set it is true for, and true at the row's minimum). [..., 1]
+    monotone: true for a superset of a set it is true for). [..., 1]; the row's minimum (everything
+    kept) when the test fails even there (a top-p just under 1 above the float32 total, say).
 
     A bisection on the floats' bit order: 32 halvings of the key range, each one pass over the row,
     instead of a full sort (16 rows of a 49k vocabulary: ~135 ms to sort on 2 CPU cores). The answer
@@ -125,7 +126,10 @@ def filter_logits(logits: jax.Array, s: Sampler) -> jax.Array:
     top = jnp.where(use_k & (top < cut), -jnp.inf, top)
     threshold, covered = _nucleus(top, z, s.top_p)
     wider = (s.top_p < 1.0) & jnp.any(covered < s.top_p)  # some nucleus reaches past the prefilter
-    threshold = jax.lax.cond(wider, lambda: _nucleus_cut(z, s.top_p), lambda: threshold)
+    # Only the rows whose nucleus is wider take the bisection's cut: a row's kept set never depends on
+    # its batch (the two sum the same masses in another order, which can move a cut at a rounding tie).
+    threshold = jax.lax.cond(wider, lambda: jnp.where((covered < s.top_p)[..., None], _nucleus_cut(z, s.top_p),
+                                                      threshold), lambda: threshold)
     return jnp.where((s.top_p < 1.0) & (z < threshold), -jnp.inf, z)
 
 
@@ -136,10 +140,11 @@ def argmax(logits: jax.Array, chunk: int = ARGMAX_CHUNK) -> jax.Array:
     7.1 ms for 16 rows of SmolLM2's 49,152 logits where the logits themselves cost 5.8 (measured,
     2 cores). Here a plain max over blocks of `chunk` logits (vectorised) picks the first block holding
     the row's maximum and the index pass runs over that block only: 5.7 ms, the same answer, ties
-    included. (Rows holding NaN may get another index than jnp.argmax's.) [..., vocab] -> [...]"""
+    included. (Rows holding NaN may get another index than jnp.argmax's.) [..., vocab] -> [...]
+    Off CPU (not measured there yet) it is `jnp.argmax` itself."""
     vocab = logits.shape[-1]
     blocks = vocab // chunk
-    if blocks < 2:
+    if blocks < 2 or jax.default_backend() != "cpu":  # measured on XLA:CPU only; elsewhere the one-pass reduction
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     head = logits[..., :blocks * chunk].reshape(logits.shape[:-1] + (blocks, chunk))  # [..., blocks, chunk]
     block_max = head.max(axis=-1)  # [..., blocks]
@@ -161,7 +166,7 @@ def sample(logits: jax.Array, key, greedy: bool) -> jax.Array:
     if not isinstance(key, Sampler):
         raise TypeError("a sampling step needs a Sampler (sampling.sampler(key, SamplingConfig(...))), not a bare key")
     # Plain temperature sampling skips the top-k / top-p pass (its prefilter is a top-256 of every row).
-    filtered = (key.top_k > 0) | (key.top_p < 1.0)
+    filtered = ((key.top_k > 0) & (key.top_k < logits.shape[-1])) | (key.top_p < 1.0)
     z = jax.lax.cond(filtered, lambda x: filter_logits(x, key), lambda x: x.astype(jnp.float32) / key.temperature,
                      logits)
     return draw(z, key.key)

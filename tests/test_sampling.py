@@ -109,6 +109,21 @@ def test_bisection_cuts_equal_the_sorted_ones():
         np.testing.assert_array_equal(np.asarray(jax.jit(_nucleus_cut)(z, jnp.float32(p))), want)
 
 
+def test_a_rows_cut_does_not_depend_on_its_batch():
+    """A peaked row filtered alone or beside a flat row (whose nucleus sends the batch to the bisection)
+    keeps the same tokens, at top-p values equal to its own prefix masses (rounding ties)."""
+    rng = np.random.default_rng(11)
+    peaked = rng.normal(0, 4, 3000).astype(np.float32)
+    flat = rng.normal(0, 0.3, 3000).astype(np.float32)
+    z = jnp.asarray(peaked)
+    masses = np.asarray(jnp.cumsum(jnp.exp(-jnp.sort(-z) - jax.nn.logsumexp(z))))[:24]  # the prefilter's sums
+    cut = jax.jit(filter_logits)
+    for p in masses[masses < 0.999]:
+        s = sampler(jax.random.PRNGKey(0), SamplingConfig(1.0, top_p=float(p)))
+        alone, paired = cut(jnp.asarray(peaked[None]), s)[0], cut(jnp.asarray(np.stack([peaked, flat])), s)[0]
+        np.testing.assert_array_equal(np.isfinite(np.asarray(alone)), np.isfinite(np.asarray(paired)))
+
+
 def test_invalid_sampling_config():
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(1.0, top_p=0.0)
