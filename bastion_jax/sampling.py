@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 
 PREFILTER = 256  # logits top-k / top-p look at first (past them: a bisection over the whole row)
-ARGMAX_CHUNK = 1024  # logits per block of `argmax`'s first pass
+ARGMAX_CHUNK = 1024  # logits per block: `argmax`'s first pass and `draw`'s block sums
 
 
 @dataclasses.dataclass(frozen=True)
