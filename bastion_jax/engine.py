@@ -154,7 +154,11 @@ class Engine:
         top = cache_len - slack - 1
         contexts = sorted({max(1, c) for c in (contexts or (16, top)) if c <= top})
         exe = self.executables
-        prefill, steps = exe.tree(batch, 16, cache_len, sampling, self.buckets)
+        # Bucket 1 (the root alone) is priced by the root step that drafts, which is what bastion runs
+        # for it: a tree step of one node is the same work, and compiling it costs ~5 s on CPU.
+        timed = self.tree_step_buckets("bastion")
+        alias_one = 1 in self.buckets and 1 not in timed
+        prefill, steps = exe.tree(batch, 16, cache_len, sampling, timed)
         variants: dict = dict(steps)
         if self.drafter is not None:
             roots = exe.roots(batch, cache_len, sampling)
@@ -179,8 +183,18 @@ class Engine:
                 if r:
                     times[(b, c)].append(time.perf_counter() - t0)
         samples = [(b, c, statistics.median(times[(b, c)])) for b, c in points]
+        if alias_one:
+            samples += [(1, c, t) for b, c, t in samples if b == AR_DRAFT]
         self.latency.fit(samples)
         return samples
+
+    def tree_step_buckets(self, kind: str) -> list[int]:
+        """The buckets whose tree steps a tree policy other than fixed:N dispatches: bastion never runs
+        bucket 1 as a tree step (the root alone is a root step, `TreeLoop`), unless it has no root steps
+        (no drafter); bastion-paper runs its own sizes of at least 32."""
+        if kind == "bastion" and self.drafter is not None and len(self.buckets) > 1:
+            return [b for b in self.buckets if b != 1]
+        return list(self.buckets)
 
     def tree_slack(self) -> int:
         """Cache slots a tree-policy step may write past the committed length: the largest bucket
@@ -256,8 +270,8 @@ class Engine:
         before = exe.compilations
         t0 = time.perf_counter()
         if policy.uses_tree:
-            step_buckets = {"fixed": [policy.size], "bastion-paper": list(getattr(controller, "paper_buckets", ()))
-                            }.get(policy.kind, list(self.buckets))
+            step_buckets = ([policy.size] if policy.kind == "fixed" else list(controller.paper_buckets)
+                            if policy.kind == "bastion-paper" else self.tree_step_buckets(policy.kind))
             prefill, steps = exe.tree(batch, bucket, cache_len, sampling, step_buckets)
             gate, roots, chains = None, None, None
             if policy.kind == "bastion":

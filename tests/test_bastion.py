@@ -124,12 +124,32 @@ def test_no_recompilation_after_warmup_bastion(converted):
     engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4)
     engine.generate([PROMPT], max_new_tokens=10, mode="bastion")
     n = engine.compilations
-    # prefill + one step per bucket + the root (AR) step: hold, draft, flush + the steps verifying a
-    # held lookup chain without drafting (buckets 2..block size)
-    assert n == 1 + len(BUCKETS) + 3 + sum(1 < b <= BLOCK for b in BUCKETS)
+    # prefill + one step per bucket but 1 (the root alone is a root step) + the root (AR) step: hold,
+    # draft, flush + the steps verifying a held lookup chain without drafting (buckets 2..block size)
+    assert n == 1 + (len(BUCKETS) - 1) + 3 + sum(1 < b <= BLOCK for b in BUCKETS)
+    assert not any(k[0] == "tree_step" and k[-1] == 1 for k in engine.executables._table)
     res = engine.generate([[4, 4, 4]], max_new_tokens=10, mode="bastion")
     assert engine.compilations == n and res.stats.compilations == 0
     assert res.stats.compilations_after_warmup == 0
+    engine.generate([PROMPT], max_new_tokens=10, mode="fixed:1")  # fixed:1 does run a one-node tree step
+    assert any(k[0] == "tree_step" and k[-1] == 1 for k in engine.executables._table)
+
+
+def test_calibration_prices_the_root_alone_as_the_drafting_root_step(converted):
+    """bastion never runs bucket 1 as a tree step (a root step that drafts is the same work), so the
+    calibration neither compiles nor times it and prices it as that root step."""
+    from bastion_jax.latency import AR_DRAFT
+
+    _, target = converted("qwen3")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK))
+    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4)
+    samples = engine.calibrate(64, contexts=(8, 40), reps=1)
+    assert {b for b, _, _ in samples} == set(BUCKETS) | {"ar", AR_DRAFT}
+    assert not any(k[0] == "tree_step" and k[-1] == 1 for k in engine.executables._table)
+    ones = sorted((c, t) for b, c, t in samples if b == 1)
+    assert ones == sorted((c, t) for b, c, t in samples if b == AR_DRAFT)
+    for c in (8, 40):
+        assert engine.latency.predict(1, c) == pytest.approx(engine.latency.predict(AR_DRAFT, c))
 
 
 def test_fixed_policy_with_unknown_bucket_is_an_error(converted):
