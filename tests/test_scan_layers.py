@@ -262,3 +262,28 @@ def test_scanned_drafter_kernels_do_not_grow_with_depth(both):
         return count_kernels(jax.jit(call).lower(state, cache, feats, rows, rows).compile().as_text())
 
     assert kernels(2, True) == kernels(5, True) < kernels(5, False)
+
+
+def test_unrolled_layers_are_traced_once_per_shape(both, monkeypatch):
+    """Unrolled layers share one trace per step shape (a nested jit; XLA inlines it), so lowering a
+    step does not trace every layer again: a 30-layer SmolLM2 step lowered in ~1.2 s, ~0.75 s of it
+    tracing layer copies."""
+    from bastion_jax.modeling import transformer
+
+    flat, _ = both
+    assert flat.config.num_hidden_layers > 1
+    calls = []
+    original = transformer.DecoderLayer.__call__
+    monkeypatch.setattr(transformer.DecoderLayer, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    if hasattr(transformer, "_unrolled_layer"):
+        transformer._unrolled_layer.clear_cache()  # traces of other tests do not count
+
+    def forward(state, tokens):
+        model = nnx.merge(flat.graphdef, state)
+        cache = KVCache.create(flat.config, 1, 32, jnp.float32)
+        t = tokens.shape[1]
+        return model(tokens, jnp.arange(t)[None], cache, jnp.zeros(1, jnp.int32), causal_mask(1, t)).logits
+
+    for t in (3, 5):
+        jax.jit(forward).lower(flat.state, jax.ShapeDtypeStruct((1, t), jnp.int32))
+    assert len(calls) == 2  # one trace per shape, not one per layer
