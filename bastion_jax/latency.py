@@ -33,7 +33,8 @@ DEVICE_PEAKS = {
 
 # Bump when the compiled steps' costs change (attention, fusion, compaction...): a calibration
 # measured on older steps would misprice the new ones, so it is part of the calibration key.
-STEPS_VERSION = 3  # 2: attention over the live context only (issue 14); 3: two-pass greedy argmax
+STEPS_VERSION = 4  # 2: attention over the live context only (issue 14); 3: two-pass greedy argmax;
+# 4: trees read the top min(top_k, nodes - 1) tokens per depth
 
 
 @dataclasses.dataclass(frozen=True)

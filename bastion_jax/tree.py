@@ -39,11 +39,16 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     `chain` (a context-lookup chain, see `lookup.py`) adds its token at each depth as a candidate and
     scores paths in two states: on the chain (every token so far equals the chain's), a child equal
     to the chain's next token has probability w + (1 - w) p and any other child (1 - w) p, with
-    w = chain.first at depth 1 and chain.cont deeper; off the chain the drafter's p alone.
+    w = chain.first at depth 1 and chain.cont deeper (p the drafter's, for the chain's token whatever
+    its rank); off the chain the drafter's p alone.
+
+    Only the top min(top_k, num_nodes - 1) tokens per depth are read: a token ranked lower has at least
+    num_nodes - 1 siblings ahead of it (same parent, no lower score, and ties go to the better rank), so
+    it is never one of the tree's num_nodes - 1 nodes. Same tree, a smaller top-k and candidate lists.
     """
     depth, vocab = log_probs.shape
     m = num_nodes - 1  # non-root nodes
-    k = min(top_k, vocab)
+    k = min(top_k, vocab, max(m, 1))
     # The barrier keeps XLA:CPU from rewriting top-k + the gathers below into a full sort of the
     # vocabulary (195 ms -> 3 ms per tree at SmolLM2's 49k vocab); GPU is unaffected.
     top_lp, top_tok = jax.lax.optimization_barrier(jax.lax.top_k(log_probs.astype(jnp.float32), k))  # [depth, k]
@@ -53,7 +58,13 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     if chain is None:
         on_lp = off_lp = top_lp
     else:
-        top_lp, top_tok, on_lp = _candidates_with_chain(top_lp, top_tok, chain)
+        look = chain.tokens  # [depth] target ids
+        if ids is None:
+            chain_lp = jnp.take_along_axis(log_probs, jnp.clip(look, 0, vocab - 1)[:, None], axis=1)[:, 0]
+        else:  # the chain token's column in the draft vocabulary, if it has one
+            chain_lp = jnp.max(jnp.where(ids[None, :] == look[:, None], log_probs, -jnp.inf), axis=1)
+        chain_lp = jnp.where(look >= 0, chain_lp.astype(jnp.float32), neg_inf)  # [depth]
+        top_lp, top_tok, on_lp = _candidates_with_chain(top_lp, top_tok, chain, chain_lp)
         off_lp = top_lp
         k = k + 1
 
@@ -110,9 +121,11 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     return Tree(tree_tokens, tree_parents, tree_depths, tree_lp, ancestor_mask(tree_parents, depth))
 
 
-def _candidates_with_chain(top_lp: jax.Array, top_tok: jax.Array, chain: Chain) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _candidates_with_chain(top_lp: jax.Array, top_tok: jax.Array, chain: Chain, chain_lp: jax.Array
+                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The candidates [depth, k + 1] with the chain's token added as a last column (-inf off the chain;
-    -inf both ways when it is already a candidate or there is none), and their on-chain log-probs."""
+    -inf both ways when it is already a candidate or there is none), and their on-chain log-probs;
+    `chain_lp` [depth] is the drafter's log-prob of the chain's token (-inf: none)."""
     depth = top_lp.shape[0]
     look = chain.tokens[:, None]  # [depth, 1]
     w = jnp.where(jnp.arange(depth) == 0, chain.first, chain.cont)[:, None]  # [depth, 1]
@@ -124,7 +137,8 @@ def _candidates_with_chain(top_lp: jax.Array, top_tok: jax.Array, chain: Chain) 
     neg_inf = jnp.float32(-jnp.inf)
     top_tok = jnp.concatenate([top_tok, jnp.where(extra, look, -1)], axis=1)  # [depth, k + 1]
     top_lp = jnp.concatenate([top_lp, jnp.full((depth, 1), neg_inf)], axis=1)
-    on_lp = jnp.concatenate([on_lp, jnp.where(extra, jnp.log(w), neg_inf)], axis=1)
+    extra_lp = jnp.log(w + (1.0 - w) * jnp.exp(chain_lp)[:, None])  # [depth, 1] w + (1 - w) p
+    on_lp = jnp.concatenate([on_lp, jnp.where(extra, extra_lp, neg_inf)], axis=1)
     return top_lp, top_tok, on_lp
 
 

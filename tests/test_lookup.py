@@ -63,7 +63,8 @@ def test_append_rows_writes_count_tokens_and_drops_the_rest():
 
 def two_state_brute_force(lp: np.ndarray, m: int, top_k: int, chain: list[int], first: float, cont: float):
     """Every path of the candidates (each depth's top-k plus the chain's token), scored on the chain
-    as log(w + (1 - w) p) for the chain's token and log((1 - w) p) for others, off it as log p."""
+    as log(w + (1 - w) p) for the chain's token (p the drafter's, whatever its rank) and log((1 - w) p)
+    for others, off it as log p (the top-k only)."""
     depth, vocab = lp.shape
     p = np.exp(lp)
     cands = []
@@ -80,7 +81,7 @@ def two_state_brute_force(lp: np.ndarray, m: int, top_k: int, chain: list[int], 
             for d, t in enumerate(toks):
                 w = (first if d == 0 else cont) if chain[d] >= 0 else 0.0
                 if on and w > 0:
-                    q = (1 - w) * (p[d, t] if t in top[d] else 0.0) + (w if t == chain[d] else 0.0)
+                    q = (1 - w) * (p[d, t] if t in top[d] or t == chain[d] else 0.0) + (w if t == chain[d] else 0.0)
                     score += np.log(q) if q > 0 else -np.inf
                 else:
                     score += lp[d, t] if t in top[d] else -np.inf
@@ -142,7 +143,7 @@ def test_a_path_that_left_the_chain_gets_no_chain_probability():
     chain = Chain(jnp.asarray([2, 0, 3], jnp.int32), jnp.float32(0.5), jnp.float32(0.9))  # c1 = 2, not the top
     tree = build_tree(jnp.int32(9), jnp.asarray(lp, jnp.float32), 12, 2, None, chain)
     paths = node_paths(tree)
-    assert (2, 0, 3) in paths  # on the chain: token 3 (outside the top 2) is proposed with w = 0.9
+    assert (2, 0, 3) in paths  # on the chain: token 3 (outside the top 2) is proposed with w + (1 - w) p, w = 0.9
     assert (1, 0, 3) not in paths  # left the chain at depth 1: token 3 is not a candidate there
     assert two_state_brute_force(lp, 11, 2, [2, 0, 3], 0.5, 0.9) == [
         (pytest.approx(float(s), abs=1e-5), p) for s, p in zip(np.asarray(tree.log_probs)[1:], paths)]
@@ -290,3 +291,28 @@ def test_engine_verifies_held_chains_and_keeps_greedy_output(converted):
     s = res.stats
     assert s.chain_steps >= 5 and s.tau > 1.3, s  # held chains verified, and accepted
     assert s.compilations_after_warmup == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chain_in_a_reduced_draft_vocabulary_scores_as_in_the_full_one(seed):
+    """With a draft vocabulary (the lattice's columns are `ids`), the chain's token mixes with the
+    drafter's probability of its column, found by id (and with none when the token has no column):
+    the same tree as the full-vocabulary lattice holding those columns and -inf elsewhere."""
+    rng = np.random.default_rng(300 + seed)
+    depth, vocab = 3, 9
+    ids = np.sort(rng.choice(vocab, 6, replace=False)).astype(np.int32)
+    ids = rng.permutation(ids)  # columns in ranking order, not id order
+    lp_draft = random_lattice(rng, depth, len(ids))
+    lp_full = np.full((depth, vocab), -np.inf, np.float32)
+    lp_full[:, ids] = lp_draft
+    chain = rng.integers(0, vocab, depth).astype(np.int32)  # tokens with and without a column
+    c = Chain(jnp.asarray(chain), jnp.float32(0.6), jnp.float32(0.7))
+    n, k = int(rng.integers(4, 12)), int(rng.integers(2, len(ids) + 1))
+    a = build_tree(jnp.int32(1), jnp.asarray(lp_draft), n, k, jnp.asarray(ids), c)
+    b = build_tree(jnp.int32(1), jnp.asarray(lp_full), n, k, None, c)
+    va, vb = np.asarray(a.tokens)[1:] >= 0, np.asarray(b.tokens)[1:] >= 0
+    fa = np.isfinite(np.asarray(a.log_probs)[1:]) & va
+    fb = np.isfinite(np.asarray(b.log_probs)[1:]) & vb
+    assert fa.sum() == fb.sum()
+    assert [p for p, f in zip(node_paths(a), fa) if f] == [p for p, f in zip(node_paths(b), fb) if f]
+    np.testing.assert_allclose(np.asarray(a.log_probs)[1:][fa], np.asarray(b.log_probs)[1:][fb], rtol=1e-5, atol=1e-5)
