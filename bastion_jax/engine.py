@@ -154,8 +154,7 @@ class Engine:
         top = cache_len - slack - 1
         contexts = sorted({max(1, c) for c in (contexts or (16, top)) if c <= top})
         exe = self.executables
-        # Bucket 1 (the root alone) is priced by the root step that drafts, which is what bastion runs
-        # for it: a tree step of one node is the same work, and compiling it costs ~5 s on CPU.
+        # Bucket 1 (the root alone) is priced by the root step that drafts, what bastion runs for it.
         timed = self.tree_step_buckets("bastion")
         alias_one = 1 in self.buckets and 1 not in timed
         prefill, steps = exe.tree(batch, 16, cache_len, sampling, timed)
@@ -189,9 +188,8 @@ class Engine:
         return samples
 
     def tree_step_buckets(self, kind: str) -> list[int]:
-        """The buckets whose tree steps a tree policy other than fixed:N dispatches: bastion never runs
-        bucket 1 as a tree step (the root alone is a root step, `TreeLoop`), unless it has no root steps
-        (no drafter); bastion-paper runs its own sizes of at least 32."""
+        """The tree steps bastion compiles: not bucket 1 (the root alone runs as a root step that
+        drafts, `TreeLoop`), unless there is no drafter, whose drafting root step would price it."""
         if kind == "bastion" and self.drafter is not None and len(self.buckets) > 1:
             return [b for b in self.buckets if b != 1]
         return list(self.buckets)

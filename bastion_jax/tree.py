@@ -138,7 +138,7 @@ def _candidates_with_chain(top_lp: jax.Array, top_tok: jax.Array, chain: Chain, 
     top_tok = jnp.concatenate([top_tok, jnp.where(extra, look, -1)], axis=1)  # [depth, k + 1]
     top_lp = jnp.concatenate([top_lp, jnp.full((depth, 1), neg_inf)], axis=1)
     extra_lp = jnp.log(w + (1.0 - w) * jnp.exp(chain_lp)[:, None])  # [depth, 1] w + (1 - w) p
-    on_lp = jnp.concatenate([on_lp, jnp.where(extra, extra_lp, neg_inf)], axis=1)
+    on_lp = jnp.concatenate([on_lp, jnp.where(extra & (w > 0), extra_lp, neg_inf)], axis=1)  # w = 0: no chain
     return top_lp, top_tok, on_lp
 
 

@@ -316,3 +316,14 @@ def test_chain_in_a_reduced_draft_vocabulary_scores_as_in_the_full_one(seed):
     assert fa.sum() == fb.sum()
     assert [p for p, f in zip(node_paths(a), fa) if f] == [p for p, f in zip(node_paths(b), fb) if f]
     np.testing.assert_allclose(np.asarray(a.log_probs)[1:][fa], np.asarray(b.log_probs)[1:][fb], rtol=1e-5, atol=1e-5)
+
+
+def test_a_chain_with_no_weight_leaves_the_drafters_tree():
+    """w = 0 (a LookupConfig table may hold zeros): the chain adds nothing, not even its token outside
+    the top-k with the drafter's own probability."""
+    lp = np.log(np.asarray([[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]], np.float32))
+    chain = Chain(jnp.asarray([3, 3], jnp.int32), jnp.float32(0.0), jnp.float32(0.0))  # token 3: outside the top 2
+    with_chain = build_tree(jnp.int32(0), jnp.asarray(lp), 7, 2, None, chain)
+    alone = build_tree(jnp.int32(0), jnp.asarray(lp), 7, 2)
+    assert node_paths(with_chain) == node_paths(alone)
+    np.testing.assert_allclose(np.asarray(with_chain.log_probs), np.asarray(alone.log_probs))

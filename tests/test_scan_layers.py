@@ -274,7 +274,8 @@ def test_unrolled_layers_are_traced_once_per_shape(both, monkeypatch):
     assert flat.config.num_hidden_layers > 1
     calls = []
     original = transformer.DecoderLayer.__call__
-    monkeypatch.setattr(transformer.DecoderLayer, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    monkeypatch.setattr(transformer.DecoderLayer, "__call__",
+                        lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     if hasattr(transformer, "_unrolled_layer"):
         transformer._unrolled_layer.clear_cache()  # traces of other tests do not count
 
@@ -287,3 +288,33 @@ def test_unrolled_layers_are_traced_once_per_shape(both, monkeypatch):
     for t in (3, 5):
         jax.jit(forward).lower(flat.state, jax.ShapeDtypeStruct((1, t), jnp.int32))
     assert len(calls) == 2  # one trace per shape, not one per layer
+
+
+def test_a_new_prefix_kernel_setting_traces_the_layer_again(both, monkeypatch):
+    """The prefix-attention setting is read when a layer is traced, so it keys the shared layer trace:
+    a step lowered after `set_prefix_kernel` does not reuse the layer traced under the old setting."""
+    from bastion_jax.modeling import transformer
+
+    flat, _ = both
+    calls = []
+    original = transformer.DecoderLayer.__call__
+    monkeypatch.setattr(transformer.DecoderLayer, "__call__",
+                        lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    transformer._unrolled_layer.clear_cache()
+
+    def lower():  # a new outer function each time (JAX caches an outer trace by the function)
+        def forward(state, tokens):
+            model = nnx.merge(flat.graphdef, state)
+            cache = KVCache.create(flat.config, 1, 32, jnp.float32)
+            return model(tokens, jnp.arange(3)[None], cache, jnp.zeros(1, jnp.int32), causal_mask(1, 3)).logits
+
+        jax.jit(forward).lower(flat.state, jax.ShapeDtypeStruct((1, 3), jnp.int32))
+
+    old = set_prefix_kernel("xla")
+    try:
+        lower()
+        set_prefix_kernel("interpret")
+        lower()
+    finally:
+        set_prefix_kernel(old)
+    assert len(calls) == 2

@@ -111,3 +111,16 @@ def test_tree_code_compiles_to_the_same_kernels_whatever_the_depth():
         return count_kernels(jax.jit(step).lower(lp, jax.ShapeDtypeStruct((2,), jnp.int32), ints).compile().as_text())
 
     assert kernels(4) == kernels(12) > 0
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_a_tree_reads_only_as_many_tokens_per_depth_as_it_has_nodes(n):
+    """top_k past n - 1 changes nothing: a token ranked past n - 1 has n - 1 siblings ahead of it. The
+    same tree and scores as the brute force over every token."""
+    rng = np.random.default_rng(n)
+    lp = random_lattice(rng, 3, 12)
+    for top_k in (n - 1, 12):
+        tree = build_tree(jnp.int32(7), jnp.asarray(lp), n, top_k)
+        ref = brute_force(lp, n - 1, 12)
+        assert node_paths(tree) == [p for _, p in ref]
+        np.testing.assert_allclose(np.asarray(tree.log_probs)[1:], [s for s, _ in ref], rtol=1e-5, atol=1e-5)

@@ -353,3 +353,22 @@ def test_rho_finds_out_a_confident_useless_drafter_in_a_few_verifies():
         gate.observe_verify(4, 7.0, 0.0)
         n += 1
     assert n <= 11
+
+
+def test_bastion_prices_bucket_one_by_its_drafting_root_steps(monkeypatch):
+    """bastion runs bucket 1 as a root step that drafts (never a one-node tree step), so every timed
+    drafting root step updates bucket 1's price too: otherwise a machine slower than at calibration
+    would leave bucket 1 priced below a plain AR step, and the gate would draft every step."""
+    seen = []
+
+    class Recording(Latency):
+        def observe(self, b, c, t):
+            seen.append((b, t))
+
+    log = []
+    loop, _ = make_loop(log)
+    loop.latency = Recording()
+    run(loop, 12, log, monkeypatch)
+    drafts = [t for b, t in seen if b == "ar+draft"]
+    assert drafts  # the gate probed
+    assert [t for b, t in seen if b == 1] == drafts

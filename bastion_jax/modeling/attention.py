@@ -185,6 +185,11 @@ def set_prefix_kernel(mode: str) -> str:
     return old
 
 
+def prefix_kernel_setting() -> str:
+    """The current `set_prefix_kernel` mode (what a cached trace must be keyed by)."""
+    return _PREFIX_KERNEL
+
+
 def prefix_kernel_mode(head_dim: int, slots: int) -> str | None:
     """None (the XLA loop), "pallas" or "interpret" for a step of these shapes under the current mode
     (shapes the kernel does not take keep the loop)."""

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from bastion_jax.config import TargetConfig
-from bastion_jax.modeling.attention import attend_split
+from bastion_jax.modeling.attention import attend_split, prefix_kernel_setting
 from bastion_jax.modeling.cache import KVCache
 from bastion_jax.modeling.layers import MLP, Embedding, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -83,14 +83,16 @@ def stacked_layers(cfg: TargetConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> Decod
     return make(rngs)
 
 
-@partial(jax.jit, static_argnums=0)
+@partial(jax.jit, static_argnums=0, static_argnames="prefix")
 def _unrolled_layer(graphdef: nnx.GraphDef, params: nnx.State, x, cos, sin, cache: KVCache, layer: jax.Array,
-                    start, mask, active):
+                    start, mask, active, *, prefix: str):
     """One unrolled layer, a nested jit: every layer has the same structure and shapes, so the layer is
     traced and lowered once per step and called 30 times (tracing 30 copies cost ~0.75 s of each SmolLM2
     step's ~1.2 s lowering, on every run: the persistent compilation cache keys on the lowered program).
     XLA inlines the calls before optimising, and `layer` is a constant at each call site, so the
-    compiled step is the unrolled one; its weights stay separate arguments (a scan slices them)."""
+    compiled step is the unrolled one; its weights stay separate arguments (a scan slices them).
+    `prefix` (the prefix-attention setting, read at trace time) keys the trace with the shapes, so a
+    step compiled after `set_prefix_kernel` does not reuse a layer traced under the old setting."""
     return nnx.merge(graphdef, params)(x, cos, sin, cache, layer, start, mask, active)
 
 
@@ -145,7 +147,8 @@ class Transformer(nnx.Module):
         else:
             taps = {}
             for i, layer in enumerate(self.layers):
-                x, cache = _unrolled_layer(*nnx.split(layer), x, cos, sin, cache, jnp.int32(i), start, mask, active)
+                x, cache = _unrolled_layer(*nnx.split(layer), x, cos, sin, cache, jnp.int32(i), start, mask, active,
+                                           prefix=prefix_kernel_setting())
                 if i in tap_layers and i != last:
                     taps[i] = x
         x = self.norm(x)
