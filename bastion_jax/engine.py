@@ -154,10 +154,8 @@ class Engine:
         top = cache_len - slack - 1
         contexts = sorted({max(1, c) for c in (contexts or (16, top)) if c <= top})
         exe = self.executables
-        # Bucket 1 (the root alone) is priced by the root step that drafts, what bastion runs for it.
-        timed = self.tree_step_buckets("bastion")
-        alias_one = 1 in self.buckets and 1 not in timed
-        prefill, steps = exe.tree(batch, 16, cache_len, sampling, timed)
+        # Bucket 1 (the root alone) is priced by the root step that drafts (`LatencyModel.variant`).
+        prefill, steps = exe.tree(batch, 16, cache_len, sampling, self.tree_step_buckets("bastion"))
         variants: dict = dict(steps)
         if self.drafter is not None:
             roots = exe.roots(batch, cache_len, sampling)
@@ -182,8 +180,6 @@ class Engine:
                 if r:
                     times[(b, c)].append(time.perf_counter() - t0)
         samples = [(b, c, statistics.median(times[(b, c)])) for b, c in points]
-        if alias_one:
-            samples += [(1, c, t) for b, c, t in samples if b == AR_DRAFT]
         self.latency.fit(samples)
         return samples
 

@@ -203,15 +203,27 @@ class LatencyModel:
             return t
         return max(t - max(self.predict(AR_DRAFT, c) - self.predict(AR, c), 0.0), 1e-9)
 
-    def predict(self, b: int, c: int) -> float:
+    def variant(self, b: int | str) -> int | str:
+        """Which calibrated step prices `b`. With a drafter, bucket 1 (the root alone) is the root step
+        that drafts: the same work (one target token, then a block draft) and what bastion runs for it
+        (`Engine.tree_step_buckets`), so it shares that step's fit and online correction. Priced apart,
+        a machine slower than at calibration left bucket 1 below a plain AR step's price, since only
+        the root step's correction followed the machine, and the gate then drafted every step."""
+        return AR_DRAFT if b == 1 and self.drafter is not None else b
+
+    def predict(self, b: int | str, c: int) -> float:
+        b = self.variant(b)
         fitted = self.alpha.get(b, 1.0) * self.raw(b, c) + self.beta.get(b, 0.0)
         return fitted * self.ema.get(b, 1.0)
 
-    def fit(self, samples: Iterable[tuple[int, int, float]]) -> None:
-        """Offline calibration: per bucket, least squares of measured seconds on raw roofline."""
-        by_bucket: dict[int, list[tuple[float, float]]] = {}
+    def fit(self, samples: Iterable[tuple[int | str, int, float]]) -> None:
+        """Offline calibration: per bucket, least squares of measured seconds on raw roofline. Timings of
+        a step that `variant` prices by another (a one-node tree step, which the profiler reports) fit
+        nothing."""
+        by_bucket: dict[int | str, list[tuple[float, float]]] = {}
         for b, c, t in samples:
-            by_bucket.setdefault(b, []).append((self.raw(b, c), t))
+            if self.variant(b) == b:
+                by_bucket.setdefault(b, []).append((self.raw(b, c), t))
         for b, pts in by_bucket.items():
             xs, ts = [p[0] for p in pts], [p[1] for p in pts]
             mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
@@ -223,13 +235,14 @@ class LatencyModel:
             self.alpha[b], self.beta[b] = alpha, beta
             self.ema.pop(b, None)
 
-    def observe(self, b: int, c: int, seconds: float) -> None:
+    def observe(self, b: int | str, c: int, seconds: float) -> None:
         """Online calibration: the correction of bucket b (measured / fitted) follows the measurements
         in log space, each one moving it by at most a factor `ema_step` ** ema_rate. One outlier,
         such as an executable's first run (seen at 9x its steady time on CPU: one-time set-up inside
         XLA), barely moves it; a steady error of any size is still reached, a few steps per doubling.
         A single timing taken as the truth priced a bucket 9x too high, and the gate never drafted
         again to learn otherwise."""
+        b = self.variant(b)
         base = self.alpha.get(b, 1.0) * self.raw(b, c) + self.beta.get(b, 0.0)
         if base > 0 and math.isfinite(seconds) and seconds > 0:
             current = self.ema.get(b, 1.0)
@@ -257,7 +270,8 @@ class LatencyModel:
                 "batch": self.batch,
                 "key": self.key(model, dtype, tree_top_k), "peaks": dataclasses.asdict(self.peaks),
                 "calibration": {str(b): {"alpha": self.alpha.get(b, 1.0), "beta": self.beta.get(b, 0.0)}
-                                for b in [*self.buckets, *(v for v in self.alpha if isinstance(v, str))]}}
+                                for b in [*self.buckets, *(v for v in self.alpha if isinstance(v, str))]
+                                if self.variant(b) == b}}
 
     def load_json(self, data: dict, model: str, dtype: str, tree_top_k: int) -> bool:
         """Adopt a saved calibration if it was made for this device/models/dtype/buckets/tree width."""

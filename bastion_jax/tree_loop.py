@@ -185,11 +185,8 @@ class TreeLoop:
         if not timed:
             pass
         elif then == DRAFT:  # tree steps that hold and flushes are not calibrated variants
+            # (the latency model prices bucket 1 by the drafting root step: `LatencyModel.variant`)
             self.latency.observe(b or AR_DRAFT, context, elapsed)
-            if not b and self.kind == "bastion" and 1 in self.buckets:
-                # bastion's bucket 1 is this very step (it never runs a one-node tree step): its price
-                # follows it, or a slower machine would leave bucket 1 priced below a plain AR step.
-                self.latency.observe(1, context, elapsed)
         elif then == HOLD and b == 0:
             self.latency.observe(AR, context, elapsed)
         if gate is not None:

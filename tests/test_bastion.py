@@ -144,12 +144,30 @@ def test_calibration_prices_the_root_alone_as_the_drafting_root_step(converted):
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK))
     engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4)
     samples = engine.calibrate(64, contexts=(8, 40), reps=1)
-    assert {b for b, _, _ in samples} == set(BUCKETS) | {"ar", AR_DRAFT}
+    assert {b for b, _, _ in samples} == (set(BUCKETS) - {1}) | {"ar", AR_DRAFT}
     assert not any(k[0] == "tree_step" and k[-1] == 1 for k in engine.executables._table)
-    ones = sorted((c, t) for b, c, t in samples if b == 1)
-    assert ones == sorted((c, t) for b, c, t in samples if b == AR_DRAFT)
     for c in (8, 40):
         assert engine.latency.predict(1, c) == pytest.approx(engine.latency.predict(AR_DRAFT, c))
+
+
+def test_latency_model_prices_bucket_one_as_the_drafting_root_step_only_with_a_drafter():
+    """With a drafter, bucket 1 and the drafting root step are one variant: one fit (a one-node tree
+    step's timings, which the profiler reports, fit nothing), one online correction. Without one,
+    bucket 1 is a tree step of its own."""
+    from bastion_jax.latency import AR_DRAFT
+
+    dims = ModelDims(layers=2, hidden=64, n_q=4, n_kv=2, head_dim=16, ffn=128, vocab=96)
+    lat = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8), drafter=dims, block_size=4)
+    lat.fit([(AR_DRAFT, c, 0.02 + 1e-5 * c) for c in (16, 512)] + [(1, c, 0.5) for c in (16, 512)])
+    assert lat.predict(1, 100) == pytest.approx(0.021)
+    lat.observe(1, 100, 2 * 0.021)  # a drafting root step, as the loop may report it
+    assert lat.predict(AR_DRAFT, 100) == pytest.approx(2 ** 0.1 * 0.021)
+    assert lat.predict(1, 100) == lat.predict(AR_DRAFT, 100)
+    plain = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8))  # no drafter
+    plain.fit([(1, c, 3 * plain.raw(1, c) + 0.1) for c in (16, 512)])
+    assert plain.predict(1, 100) == pytest.approx(3 * plain.raw(1, 100) + 0.1)
+    plain.observe(1, 100, 1.0)
+    assert plain.predict(AR_DRAFT, 100) != plain.predict(1, 100)
 
 
 def test_fixed_policy_with_unknown_bucket_is_an_error(converted):
