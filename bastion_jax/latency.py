@@ -98,11 +98,13 @@ def measure_copy_bandwidth(nbytes: int | None = None, *, reps: int = 5, chain: i
 
 
 def measure_matmul_rate(n: int | None = None, dtype=None, *, reps: int = 5, chain: int = 8) -> float:
-    """FLOP/s of an n x n matmul (2 n^3 FLOPs) in `dtype` (default bf16 on accelerators; fp32 on CPU,
-    where bf16 matmuls are emulated). The right factor is scaled by 1/sqrt(n) so a chain of products
-    keeps its magnitude (no inf or denormal slow paths)."""
+    """FLOP/s of an n x n matmul (2 n^3 FLOPs) in `dtype` (default bf16 on accelerators, fp32 on CPU),
+    multiplied as the steps multiply (`layers.project`). The right factor is scaled by 1/sqrt(n) so a
+    chain of products keeps its magnitude (no inf or denormal slow paths)."""
     import jax
     import jax.numpy as jnp
+
+    from bastion_jax.modeling.layers import project
 
     cpu = jax.default_backend() == "cpu"
     n = n or (1024 if cpu else 8192)
@@ -110,7 +112,7 @@ def measure_matmul_rate(n: int | None = None, dtype=None, *, reps: int = 5, chai
     ka, kb = jax.random.split(jax.random.PRNGKey(0))
     a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)  # [n, n]
     b = (jax.random.normal(kb, (n, n), jnp.float32) / math.sqrt(n)).astype(dtype)
-    fn = jax.jit(lambda x, y: x @ y).lower(a, b).compile()
+    fn = jax.jit(lambda x, y: project("ij,jk->ik", x, y)).lower(a, b).compile()
     return 2 * n ** 3 / _best_seconds_per_call(fn, a, b, reps=reps, chain=chain)
 
 

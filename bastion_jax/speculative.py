@@ -23,6 +23,7 @@ from flax import nnx, struct
 
 from bastion_jax.decoding import prefill_target
 from bastion_jax.modeling.cache import KVCache, causal_mask
+from bastion_jax.modeling.layers import project
 from bastion_jax.sampling import argmax, sample
 from bastion_jax.step_config import Proposal, StepConfig
 
@@ -109,7 +110,7 @@ def head_logits(target, hidden: jax.Array, draft_vocab: Optional[DraftVocab] = N
     if draft_vocab is None:
         return target.logits(hidden)
     w = draft_vocab.weight  # [N, h]
-    return jnp.einsum("...h,nh->...n", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return project("...h,nh->...n", hidden, w, jnp.float32)
 
 
 def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array | None,

@@ -8,8 +8,8 @@ two and speculative output would drift from AR. Logits are accumulated in float3
 Exact equality cannot hold at a bfloat16 tie, though: a verify forward and an AR step sum in
 different orders, and this flat random target (top logits ~0.38 apart by ~1e-3) has such ties. The
 random-drafter test therefore accepts a row that parts from AR exactly at a tie
-(`testing.bf16_tie_divergences`); with the context lookup's deep trees on, one prompt does so at
-token 37 (logits 0.3781 vs 0.3776; the float32 model prefers the other token).
+(`testing.bf16_tie_divergences`); e.g. one prompt does so at token 37 (logits 0.3781 vs 0.3776;
+the float32 model prefers the other token). The oracle-drafter tests meet no tie.
 """
 
 import jax.numpy as jnp
@@ -60,7 +60,9 @@ def test_bf16_random_drafter_greedy_equals_ar(bf16_target, mode):
     assert all(len(t) == N_NEW for t in ar)
     res = engine.generate(PROMPTS, max_new_tokens=N_NEW, mode=mode)
     got = res.tokens
-    assert sum(g == a for g, a in zip(got, ar)) >= len(PROMPTS) - 1  # at most one row at a tie
+    # This flat random target meets a tie within 72 tokens in ~30% of rows (24 random prompts: 15-17
+    # of 24 rows identical, with XLA:CPU's bf16 kernels and with the float32 ones before them).
+    assert sum(g == a for g, a in zip(got, ar)) >= len(PROMPTS) // 2
     assert bf16_tie_divergences(bf16_target, PROMPTS, got, ar) == []
     if mode != "dflash":  # trees were verified (dflash verifies blocks and keeps no bucket counts)
         assert sum(n for b, n in res.stats.buckets.items() if b > 1) >= 5, res.stats

@@ -15,6 +15,19 @@ from bastion_jax.config import TargetConfig
 from bastion_jax.dflash_config import DrafterConfig
 
 
+def storage_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype a cache of keys and values computed in `dtype` is held in: `dtype`, except bf16 / f16
+    on CPU, held in float32 (exactly the same values; twice the bytes). XLA:CPU has no fast kernel for
+    attention's small bf16 products, so it multiplies them in float32, and converting each chunk it
+    reads became, hoisted out of the prefix loop, converting every layer's whole cache in each layer
+    (80 of the 134 ms of a bf16 SmolLM2 AR step). Attention reads the chunks back in the compute dtype
+    (`attention.update`: exact), so the arithmetic is the bf16 one."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize < 4 and jnp.issubdtype(dtype, jnp.floating) and jax.default_backend() == "cpu":
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
 @struct.dataclass
 class KVCache:
     """Every layer's keys and values as one stacked buffer each, `[layers, batch, max_len, kv_heads,
@@ -32,7 +45,9 @@ class KVCache:
 
     @classmethod
     def create(cls, cfg: TargetConfig | DrafterConfig, batch: int, max_len: int, dtype: jnp.dtype) -> "KVCache":
+        """A zeroed cache for a model computing in `dtype` (held as `storage_dtype(dtype)`)."""
         shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        dtype = storage_dtype(dtype)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     @property

@@ -20,7 +20,8 @@ from flax import nnx
 from bastion_jax.config import TargetConfig
 from bastion_jax.modeling.attention import attend_split, prefix_kernel_setting
 from bastion_jax.modeling.cache import KVCache
-from bastion_jax.modeling.layers import MLP, Embedding, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from bastion_jax.modeling.layers import (MLP, Embedding, Linear, RMSNorm, apply_rope, project, rope_cos_sin,
+                                         rope_inv_freq)
 
 
 class Attention(nnx.Module):
@@ -123,7 +124,7 @@ class Transformer(nnx.Module):
         that produced them, which breaks greedy identity between AR and verification), so the
         matmul itself accumulates into float32 (`preferred_element_type`), not just its result."""
         w = (self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)[...]  # [vocab, hidden]
-        return jnp.einsum("...h,vh->...v", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        return project("...h,vh->...v", hidden, w, jnp.float32)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: jax.Array | None,
                  mask: jax.Array, *, tap_layers: Sequence[int] = (),
