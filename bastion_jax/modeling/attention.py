@@ -59,7 +59,11 @@ def update(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, visible: ja
     m = jnp.maximum(part.m, scores.max(axis=-1))
     p = jnp.where(vis, jnp.exp(scores - m[..., None]), 0.0)  # [b, kv_heads, groups, t, s]
     scale = jnp.exp(part.m - m)  # 1 while both are NEG_INF: l and acc are still 0
-    pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    # p rounded to the compute dtype (q's) whatever the cache holds (`cache.storage_dtype`: float32
+    # for a bf16 model on CPU): a step reads part of its keys from the cache and part fresh, and AR
+    # and a tree split them differently, so both parts must round alike for their outputs to agree.
+    pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(qg.dtype), v.astype(qg.dtype),
+                    preferred_element_type=jnp.float32)
     return Partial(m, part.l * scale + p.sum(axis=-1), part.acc * scale[..., None] + pv)
 
 

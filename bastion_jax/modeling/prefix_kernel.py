@@ -72,7 +72,7 @@ def _kernel(offset_ref, length_ref, q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref, 
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.where(live[None, :], jnp.exp(s - m_new[:, None]), 0.0)  # [R, block_k]
         corr = jnp.exp(m - m_new)
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [R, d]
+        pv = jnp.dot(p.astype(q.dtype), v.astype(q.dtype), preferred_element_type=jnp.float32)  # [R, d] as `update`
         return acc * corr[:, None] + pv, l * corr + p.sum(axis=-1), m_new
 
     init = (jnp.zeros((rows, q.shape[1]), jnp.float32), jnp.zeros((rows,), jnp.float32),
