@@ -83,11 +83,6 @@ def load_models(args, log):
     target = load_target(path, resolve_dtype(args.dtype))
     log(f"loaded {path} ({target.config.model_type}, {target.config.param_count() / 1e6:.0f}M params, "
         f"{target.dtype.name}: {dtype_note(args.dtype)}) in {time.perf_counter() - t0:.1f}s")
-    import jax
-
-    if target.dtype.name == "bfloat16" and jax.default_backend() == "cpu":
-        log("note: XLA:CPU runs bfloat16 products ~10x slower than float32 (SmolLM2's decode step: ~220 ms against "
-            "19 on 2 cores); --dtype float32 runs the same weights at float32 speed")
     drafter_arg = args.drafter
     if drafter_arg is None and args.target is None:
         from bastion_jax.default_model import default_drafter_dir

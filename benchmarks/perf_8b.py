@@ -106,8 +106,10 @@ def draft_weight_bytes(engine) -> int:
 
 def ratios(engine, prof) -> dict:
     """Every ratio of the module docstring from one profile."""
+    from bastion_jax.modeling.cache import storage_dtype
+
     cfg = engine.target.config
-    itemsize = engine.target.dtype.itemsize
+    itemsize = storage_dtype(engine.target.dtype).itemsize  # the KV cache's bytes per value
     weights = step_weight_bytes(engine.target)
     bandwidth = engine.latency.peaks.bandwidth
     floor = {c: (weights + kv_bytes(cfg, c, itemsize)) / bandwidth for c in prof.ar_step_s}

@@ -3,7 +3,6 @@
 import json
 from pathlib import Path
 
-import jax
 import pytest
 
 from bastion_jax import calibration, generate
@@ -141,7 +140,7 @@ def test_loaded_lines_say_which_dtype_is_used(capsys, tiny_ckpt):
     rc, _, err = run(capsys, "w5", "--target", tiny_ckpt, "--no-chat", "--max-new-tokens", "2", "--dtype", "bfloat16")
     assert rc == 0 and "bfloat16: --dtype" in err, err
     assert "ended: max new tokens" in err
-    assert ("XLA:CPU runs bfloat16 products ~10x slower" in err) is (jax.default_backend() == "cpu")
+    assert "slower than float32" not in err  # bf16 runs on XLA:CPU's bf16 kernels (tests/test_cpu_bf16.py)
 
 
 def test_fixed_mode_with_unknown_bucket_is_an_error(capsys, tiny_ckpt):

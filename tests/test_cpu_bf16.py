@@ -50,21 +50,21 @@ def test_bf16_steps_convert_no_weight_or_cache_to_float32(converted):
     _, trees = exe.tree(1, 16, cache_len, s, (4,))
     roots = exe.roots(1, cache_len, s)
     steps.update(tree_step4=trees[4].exe, root_hold=roots[HOLD].exe, root_draft=roots[DRAFT].exe)
-    weights = {tuple(x.shape) for x in jax.tree.leaves(target.state) if x.ndim == 2}
+    weights = {tuple(x.shape) for st in (target.state, drafter.state) for x in jax.tree.leaves(st) if x.ndim == 2}
     cache = KVCache.create(target.config, 1, cache_len, target.dtype)
     assert cache.k.dtype == jnp.float32  # held in float32 on CPU: the same values
     for name, step in steps.items():
         hlo = step.as_text()
+        assert _arrays(hlo, "bf16") and _arrays(hlo, "f32")  # the reading of the program works
         found = _arrays(hlo, "f32") & weights
         assert not found, f"{name} converts bf16 weights of shapes {sorted(found)} to float32"
         found = _arrays(hlo, "bf16") & {tuple(cache.k.shape), tuple(cache.k.shape[1:])}
         assert not found, f"{name} converts its float32 cache to bf16 (shapes {sorted(found)})"
 
 
-def test_bf16_cache_holds_the_same_values_in_float32():
-    assert storage_dtype(jnp.bfloat16) == jnp.float32 and storage_dtype(jnp.float32) == jnp.float32
-    vals = jnp.asarray(np.random.default_rng(0).normal(size=(64,)), jnp.bfloat16)
-    assert bool(jnp.all(vals.astype(jnp.float32).astype(jnp.bfloat16) == vals))
+def test_bf16_caches_are_held_in_float32_on_cpu_only():
+    assert storage_dtype(jnp.bfloat16) == jnp.float32 and storage_dtype(jnp.float16) == jnp.float32
+    assert storage_dtype(jnp.float32) == jnp.float32
 
 
 @pytest.mark.parametrize("rows", [(1, 1), (1, 3), (2, 3)])

@@ -11,8 +11,9 @@ attends to the two separately and merges them exactly with their log-sum-exps:
 - the new part is a dense `[t, t]` block when small, and the same chunked loop over its keys when
   long (a prompt's prefill), so no `[t, t]` score matrix of a long prompt is ever materialised.
 
-Scores, running maxima and sums are float32; probabilities meet the values in the values' dtype
-with float32 accumulation. `attend` is the dense reference (one softmax over a full mask), used
+Scores, running maxima and sums are float32; probabilities, rounded to the queries' dtype, meet the
+values in that dtype with float32 accumulation (a cache held wider, `cache.storage_dtype`, is read
+back exactly). `attend` is the dense reference (one softmax over a full mask), used
 by training and by the tests that check the split against it.
 """
 

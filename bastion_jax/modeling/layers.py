@@ -28,7 +28,9 @@ def project(spec: str, x: jax.Array, w: jax.Array, out_dtype: jnp.dtype | None =
     one with a bf16 result (SmolLM2's 30 layers at 4 rows: 137 vs 13 ms) or a single row (117 vs 12
     ms) fell back to converting the whole weight matrix to float32 every step. So there the product
     is accumulated in float32 and rounded once (as torch does in bf16), and a lone row is padded to
-    two. float32 weights and other backends take the plain einsum, as before."""
+    two. float32 weights and other backends take the plain einsum, as before. `spec` contracts x's last
+    axis into one output axis, leading axes kept (`"...i,io->...o"`, `"...h,vh->...v"`): the padding
+    reshapes x to [rows, in] and back."""
     out_dtype = jnp.dtype(w.dtype if out_dtype is None else out_dtype)
     x = x.astype(w.dtype)
     if w.dtype == jnp.float32 or jax.default_backend() != "cpu":
