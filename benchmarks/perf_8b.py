@@ -72,8 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def kv_bytes(cfg, context: int, itemsize: int) -> int:
-    """K and V of every layer for `context` committed tokens: what an AR step must read."""
+def kv_bytes(cfg, context: int, dtype) -> int:
+    """K and V of every layer for `context` committed tokens of a model computing in `dtype`: what an
+    AR step must read, at the bytes the cache holds them in (`cache.storage_dtype`)."""
+    from bastion_jax.modeling.cache import storage_dtype
+
+    itemsize = storage_dtype(dtype).itemsize
     return 2 * cfg.num_hidden_layers * context * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 
@@ -106,13 +110,10 @@ def draft_weight_bytes(engine) -> int:
 
 def ratios(engine, prof) -> dict:
     """Every ratio of the module docstring from one profile."""
-    from bastion_jax.modeling.cache import storage_dtype
-
     cfg = engine.target.config
-    itemsize = storage_dtype(engine.target.dtype).itemsize  # the KV cache's bytes per value
     weights = step_weight_bytes(engine.target)
     bandwidth = engine.latency.peaks.bandwidth
-    floor = {c: (weights + kv_bytes(cfg, c, itemsize)) / bandwidth for c in prof.ar_step_s}
+    floor = {c: (weights + kv_bytes(cfg, c, engine.target.dtype)) / bandwidth for c in prof.ar_step_s}
     draft_weights = draft_weight_bytes(engine)
     # A tree step reads the target's weights once (every node in one forward) plus the drafter's.
     step_floor = {(p.bucket, p.context): floor[p.context] + draft_weights / bandwidth for p in prof.points}

@@ -116,11 +116,9 @@ def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
 
 def report(engine, m: dict) -> dict:
     """The ratios and pass / fail of the two target-side criteria."""
-    from bastion_jax.modeling.cache import storage_dtype
-
-    cfg, itemsize = engine.target.config, storage_dtype(engine.target.dtype).itemsize  # the cache's bytes
+    cfg = engine.target.config
     weights, bandwidth = step_weight_bytes(engine.target), engine.latency.peaks.bandwidth
-    floor = {c: (weights + kv_bytes(cfg, int(c), itemsize)) / bandwidth for c in m["ar_step_s"]}
+    floor = {c: (weights + kv_bytes(cfg, int(c), engine.target.dtype)) / bandwidth for c in m["ar_step_s"]}
     r = {"weight_bytes": weights, "bandwidth": bandwidth, "hbm_floor_s": floor,
          "ar_floor_ratio": {c: floor[c] / t for c, t in m["ar_step_s"].items()},
          "verify_over_ar": {k: v / m["ar_step_s"][k.split("@")[1]] for k, v in m["verify_s"].items()},
