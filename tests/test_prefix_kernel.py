@@ -26,10 +26,11 @@ def _inputs(rng, b, t, slots, hq=4, hkv=2, d=16, dtype=jnp.float32):
     return q, k_cache, v_cache
 
 
-@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("t", [1, 5, 40])
 @pytest.mark.parametrize("lengths", [[0, 1, 63, 64], [65, 200, 255, 256]])
 def test_kernel_partial_equals_the_xla_loop(t, lengths):
-    """Lengths at, around and between key blocks (64) and splits; 0 = nothing committed yet."""
+    """Lengths at, around and between key blocks (64) and splits; 0 = nothing committed yet. t = 40:
+    80 query rows per kv head, two row blocks of MAX_ROWS."""
     rng = np.random.default_rng(t)
     q, k_cache, v_cache = _inputs(rng, len(lengths), t, 256)
     length = jnp.asarray(lengths, jnp.int32)

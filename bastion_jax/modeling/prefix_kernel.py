@@ -6,7 +6,7 @@ layer; this kernel reads each row's live slots once, straight from the cache in 
 the step at once: a tree's n nodes and a kv head's query group are one block of rows, since every
 query sees the whole prefix (the tree mask only concerns the step's own keys).
 
-Grid: (batch, kv_heads, splits). Each program folds the live slots of its split (`slots / splits`
+Grid: (batch, kv_heads, row blocks, splits). Each program folds the live slots of its split (`slots / splits`
 of the cache, stopping at the row's length) block by block with the running max / sum of flash
 attention, and writes its unnormalised partial; the splits are merged afterwards by log-sum-exp,
 giving the `Partial` that `attention.new_keys` goes on from. Scores and sums are float32; the
@@ -30,6 +30,8 @@ from bastion_jax.modeling.attention import NEG_INF, Partial
 
 BLOCK_K = 64  # cache slots per inner iteration
 MAX_SPLITS = 16  # programs per (row, kv head) along the cache: parallelism for short batches
+MAX_ROWS = 64  # query rows per program: 256 rows (verify(64) x 4 query heads per kv head) asked an H100
+# for 320 KiB of shared memory (it has 227 KiB), so wider steps take several row blocks
 
 
 def _pow2_at_least(n: int, floor: int = 16) -> int:
@@ -51,10 +53,10 @@ def _splits(slots: int, block_k: int) -> int:
 
 def _kernel(offset_ref, length_ref, q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref, *, block_k: int, split_len: int,
             scale: float):
-    """One (row, kv head, split): q_ref [R, d]; k_ref, v_ref the whole cache [rows, slots, kv_heads, d]
+    """One (row, kv head, row block, split): q_ref [R, d] (R <= MAX_ROWS); k_ref, v_ref the whole cache [rows, slots, kv_heads, d]
     (this program reads row offset + its batch row, its kv head, its split's slots, block by block);
     writes acc [R, d], l and m [R] of the live slots (< length) in the split."""
-    row, head, split = offset_ref[()] + pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row, head, split = offset_ref[()] + pl.program_id(0), pl.program_id(1), pl.program_id(3)
     first = split * split_len
     length = length_ref[()]
     n_blocks = jnp.clip(pl.cdiv(length - first, block_k), 0, split_len // block_k)
@@ -99,23 +101,24 @@ def prefix(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Ar
     split_len = slots // splits
     rows = g * t
     r_pad = _pow2_at_least(rows)
+    r_block = min(r_pad, MAX_ROWS)  # both powers of two: r_pad is whole row blocks
     q = qg.transpose(0, 2, 3, 1, 4).reshape(b, hkv, rows, d)  # [b, kv_heads, groups * t, d]: Partial's order
     q = jnp.pad(q, ((0, 0), (0, 0), (0, r_pad - rows), (0, 0)))
     kernel = functools.partial(_kernel, block_k=block_k, split_len=split_len, scale=d ** -0.5)
     acc, l, m = pl.pallas_call(
         kernel,
-        grid=(b, hkv, splits),
+        grid=(b, hkv, r_pad // r_block, splits),
         in_specs=[
-            pl.BlockSpec((), lambda i, h, j: ()),  # row offset: layer * b, or 0
-            pl.BlockSpec((None,), lambda i, h, j: (i,)),  # length[b]
-            pl.BlockSpec((None, None, r_pad, d), lambda i, h, j: (i, h, 0, 0)),  # q
+            pl.BlockSpec((), lambda i, h, r, j: ()),  # row offset: layer * b, or 0
+            pl.BlockSpec((None,), lambda i, h, r, j: (i,)),  # length[b]
+            pl.BlockSpec((None, None, r_block, d), lambda i, h, r, j: (i, h, r, 0)),  # q
             pl.BlockSpec(memory_space=pl.ANY),  # k cache: the kernel indexes it, in place
             pl.BlockSpec(memory_space=pl.ANY),  # v cache
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, r_pad, d), lambda i, h, j: (j, i, h, 0, 0)),
-            pl.BlockSpec((None, None, None, r_pad), lambda i, h, j: (j, i, h, 0)),
-            pl.BlockSpec((None, None, None, r_pad), lambda i, h, j: (j, i, h, 0)),
+            pl.BlockSpec((None, None, None, r_block, d), lambda i, h, r, j: (j, i, h, r, 0)),
+            pl.BlockSpec((None, None, None, r_block), lambda i, h, r, j: (j, i, h, r)),
+            pl.BlockSpec((None, None, None, r_block), lambda i, h, r, j: (j, i, h, r)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((splits, b, hkv, r_pad, d), jnp.float32),  # acc
