@@ -85,9 +85,9 @@ class TargetConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     # How the decoder layers run, not a property of the checkpoint (never in config.json): one stacked
-    # module under a scan (compiles once whatever the depth; the GPU default) or unrolled (XLA on CPU
-    # copies each layer's weight slice out of a stack, so unrolled steps are faster there).
-    # `checkpoints.layer_layout` picks it per backend.
+    # module under a scan (compiles once whatever the depth) or unrolled, the default (XLA copies
+    # each layer's weight slice out of a stack before its matmuls, on CPU and GPU alike).
+    # `checkpoints.layer_layout` applies `default_scan_layers` unless told.
     scan_layers: bool = False
     # Likewise not in config.json: the decoder layers' linear weights held [in, out] instead of HF's
     # [out, in] (`Linear(in_out=True)`): XLA:CPU multiplies a few rows (a tree) ~1.5x faster that

@@ -92,12 +92,18 @@ def preset_configs(name: str, layers: int | None = None, drafter_layers: int | N
 def init_on_device(cfg: TargetConfig | DrafterConfig, dtype: jnp.dtype, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state) of a randomly initialised module, the parameters created by one jitted
     init on the default device directly in `dtype` (no host copy, no float32 detour)."""
+    from bastion_jax.checkpoints.params import match_layout
     from bastion_jax.modeling.drafter import Drafter
     from bastion_jax.modeling.transformer import Transformer
 
     cls = Drafter if isinstance(cfg, DrafterConfig) else Transformer
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(seed))))
-    state = jax.jit(lambda: nnx.state(cls(cfg, dtype=dtype, rngs=nnx.Rngs(seed))))()
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(seed))))
+    # The stacked (scanned) twin is what gets initialised: one vmapped RNG program per parameter
+    # kind, where unrolled layers make one per layer and weight (XLA:GPU compiled Qwen3-8B's 36
+    # unrolled layers' init for over 110 s); unrolled layers then take their slices of it.
+    stacked = dataclasses.replace(cfg, scan_layers=True)
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(cls(stacked, dtype=dtype, rngs=nnx.Rngs(seed)))))()
+    nnx.replace_by_pure_dict(state, match_layout(params, nnx.to_pure_dict(state)))
     return graphdef, state
 
 

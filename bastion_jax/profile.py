@@ -66,6 +66,15 @@ def plan_cache_len(contexts: Sequence[int], buckets: Sequence[int], block_size: 
 
 # -- CLI --------------------------------------------------------------------------------------------
 
+LAYOUTS = {"auto": None, "unrolled": False, "scanned": True}
+
+
+def add_layout_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers-layout", default="auto", choices=list(LAYOUTS),
+                   help="decoder layers unrolled or under one scan (auto: `checkpoints.default_scan_layers`, "
+                        "unrolled); the drafter follows the target")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bastion_jax.presets import PRESETS
 
@@ -79,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-layers", type=int, help="--arch: drafter layers (default: the preset's)")
     p.add_argument("--block-size", type=int, help="drafter block size (--arch default: the preset's; random "
                    "drafter default 16)")
+    add_layout_flag(p)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: --target's own dtype (as `generate`); --arch: bfloat16 on GPU/TPU, float32 on CPU")
     p.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)),
@@ -146,6 +156,7 @@ def setup(args, log=lambda msg: None) -> Setup:
         raise ProfileError(str(e)) from None
     contexts = parse_contexts(args.contexts)
     dtype = resolve_dtype(args.dtype)
+    scan = LAYOUTS[getattr(args, "layers_layout", "auto")]
 
     from bastion_jax.engine import Engine
 
@@ -158,7 +169,7 @@ def setup(args, log=lambda msg: None) -> Setup:
         if dtype is None:  # random weights have no dtype of their own
             dtype = jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
         tcfg, dcfg = preset_configs(args.arch, args.layers, args.drafter_layers, args.block_size)
-        tcfg = layer_layout(tcfg)  # scanned layers off CPU, as load_target picks for a real checkpoint
+        tcfg = layer_layout(tcfg, scan)  # as load_target lays out a real checkpoint
         dcfg = layer_layout(dcfg, tcfg.scan_layers)  # the drafter laid out as the target, as load_drafter does
         cache_len = plan_cache_len(contexts, buckets, dcfg.block_size, tcfg.max_position_embeddings, args.max_len)
         log(f"building {args.arch} ({tcfg.num_hidden_layers} layers, {tcfg.param_count() / 1e6:.0f}M params) + "
@@ -171,7 +182,7 @@ def setup(args, log=lambda msg: None) -> Setup:
         from bastion_jax.checkpoints import load_drafter, load_target, random_drafter
         from bastion_jax.presets import tiny_drafter_config
 
-        target = load_target(args.target, dtype)
+        target = load_target(args.target, dtype, scan_layers=scan)
         drafter_arg = args.drafter or "random"
         if drafter_arg == "random":
             drafter = random_drafter(tiny_drafter_config(target.config, block_size=args.block_size or 16),

@@ -11,8 +11,8 @@ step's lower and compile seconds are printed as soon as it is done, so a variant
 timeout still reports what it finished. Why: on an H100 (2026-11-26) `tree_prefill` at Qwen3-8B
 shapes (prompt 2048, cache 4096) compiled for over 200 s where the 2-core CPU takes 6.4 s; the
 variant that is fast names the XLA:GPU pass to blame (autotuning, loop unrolling, constant folding,
-the scanned layout). With scanned layers the compile does not grow with depth, so `--layers 4` probes
-the same layer body in less time.
+the scanned layout). With scanned layers (`--scan yes`; unrolled is the default) the compile does not
+grow with depth, so `--layers 4` probes the same layer body in less time.
 Each step's optimised HLO size, loop count and scratch memory are reported (scratch that grows
 with --cache-len means XLA copies a KV cache every step: on an H100 the SmolLM2 AR step at batch 128
 took 0.3 s, to be explained); `--dump` writes the optimised HLO of each step under --out-dir.
@@ -40,7 +40,7 @@ VARIANTS = {
     "autotune-0": ("--xla_gpu_autotune_level=0", True, []),
     "no-loop-unrolling": ("--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_NO_UNROLL", True, []),
     "no-constant-folding": ("--xla_disable_hlo_passes=constant_folding", False, []),
-    "unrolled": ("", False, ["--scan", "no"]),  # the target's layers unrolled instead of the backend's default
+    "unrolled": ("", False, ["--scan", "no"]),  # the target's layers unrolled whatever --scan says
     "no-triton-gemm": ("--xla_gpu_enable_triton_gemm=false", True, []),
 }
 

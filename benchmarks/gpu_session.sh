@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu_session.sh check    # versions; the prefix kernel compiled for this GPU vs the XLA loop
 #   bash benchmarks/gpu_session.sh verify   # verify_probe at Qwen3-8B shapes: AR vs HBM floor, verify(b)/AR,
-#                                           # compiling no tree step (so it returns even if tree_prefill will not)
+#                                           # compiling no tree step (so it returns even if tree_prefill will not);
+#                                           # then scanned layers with XLA's dynamic-slice fusion
 #   bash benchmarks/gpu_session.sh perf     # perf_8b at Qwen3-8B shapes (random bf16 weights), Pallas kernel
 #   bash benchmarks/gpu_session.sh perf-xla # the same with the XLA prefix loop, to compare
 #   bash benchmarks/gpu_session.sh stash    # keep the carried GGUF piece (.device/pI) for the drafter job
@@ -12,22 +13,20 @@
 #   bash benchmarks/gpu_session.sh probe    # compile times of the steps under XLA flag variants (compile_probe)
 #   bash benchmarks/gpu_session.sh arbatch  # SmolLM2 AR decode at batch 128: the step alone vs the engine
 #
-# A 15-minute lease (three so far, 2026-11-26: an H200, then two H100s; a start took ~30-60 s). No
-# perf_8b figure yet: `jit_tree_prefill` at Qwen3-8B shapes compiled for > 200 s on the GPU, and no
-# XLA flag helped (third lease, `benchmarks/results/h100-2026-11-26-lease2.md`); since then the tree
-# code loops over depths and the drafter's layers are scanned (tree_prefill 645 -> 291 kernels,
-# tree_step 816 -> 375, counted on CPU). The AR data job ran ~0.3 s per step with other processes on
-# the GPU; both GPU jobs now run one process at a time. So, after running
-# `training_data/smollm2-135m-instruct/device_pieces.sh` here (three pieces since 2026-11-26), back to back:
-#   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && bash benchmarks/gpu_session.sh verify`,
-#      timeout ~300 s: issue 14's target-side GPU figures whatever tree_prefill does (AR step vs HBM
-#      floor, verify(1/16/64/256) / AR, compile seconds);
-#   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash && bash benchmarks/gpu_session.sh probe`
-#      (does tree_prefill compile now: kernels, seconds), and if it did, `bash benchmarks/gpu_session.sh
-#      perf` in the same call (timeout ~400 s; `arbatch`, the AR step alone at batch 128, when time is left);
+# A 15-minute lease (four so far: an H200, then three H100s; a start took ~35-60 s). The fourth
+# (2026-11-27, `benchmarks/results/h100-2026-11-27-lease.md`) brought the first 8B-shaped ratios
+# (verify_probe: verify(256)/AR 1.36, verify(64)/AR 1.11-1.17) and found the scanned AR step at 0.30
+# of its HBM floor because XLA copies every layer's weights out of the stack; layers are unrolled by
+# default since. tree_prefill at 8B shapes has still never been compiled on a GPU. So, after running
+# `training_data/smollm2-135m-instruct/device_pieces.sh` here (three pieces), back to back:
+#   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && bash benchmarks/gpu_session.sh verify`
+#      (timeout ~300 s): AR vs HBM floor and verify(b)/AR with unrolled layers (the default), then
+#      scanned layers with XLA's dynamic-slice fusion switched on (does it read the stack in place?);
+#   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash && timeout 330 bash benchmarks/gpu_session.sh
+#      perf` (timeout ~360 s): the whole profile, tree steps and the real bastion loop included;
 #   3. carry the last piece: `bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS`, SECONDS
-#      about 60 under the lease's budget_left_s (status), which covers the transfers (data first if
-#      the AR step was fast alone: DATA_S=0 skips it).
+#      about 60 under the lease's budget_left_s (status) with DATA_S=0 (the batch-128 data job has
+#      never finished a batch inside a lease); the fourth lease's 174 s of training gave drafter v12.
 #
 # Nothing is installed: the machine's image has JAX (CUDA), Flax, Optax, Orbax, safetensors and
 # tokenizers, and random-weight runs need nothing else (gguf is imported only to read a GGUF). The
@@ -54,6 +53,11 @@ case "$step" in
   verify)
     python3 -m benchmarks.verify_probe --buckets 1,16,64,256 --contexts 1024,2048 --name verify-probe-qwen3-8b \
       --out-dir "$OUT" --compilation-cache /tmp/jax-cache 2>&1 | tee "$OUT/verify.log"
+    # scanned layers copied each layer's weights (2026-11-27); XLA's dynamic-slice fusion might read
+    # them in place instead (an experimental flag: a failure here costs only this part)
+    XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_dynamic_slice_fusion=true" timeout 150 \
+      python3 -m benchmarks.verify_probe --layers-layout scanned --buckets 1,64 --contexts 1024 \
+      --name verify-probe-qwen3-8b-scanned-dsf --out-dir "$OUT" 2>&1 | tee "$OUT/verify-scanned-dsf.log" || true
     ;;
   perf | perf-xla)
     mode=pallas
@@ -62,10 +66,10 @@ case "$step" in
       --name "perf-qwen3-8b-$mode" --out-dir "$OUT" --compilation-cache /tmp/jax-cache 2>&1 | tee "$OUT/perf-$mode.log"
     ;;
   probe)
-    # scanned layers compile one body whatever the depth: 4 layers probe the same body as 36, faster.
-    # (The third lease ran every flag variant: none rescued tree_prefill; the default alone now, to
-    # see what the depth loops and the scanned drafter did.) Then SmolLM2's steps at batch 128.
-    python3 -m benchmarks.compile_probe --layers 4 --timeout 120 --name probe-qwen3-8b --variants default \
+    # scanned layers compile one body whatever the depth: 4 of them probe the same body as 36, faster
+    # (unrolled, the default since 2026-11-27, would not). The third lease ran every flag variant: none
+    # rescued tree_prefill; the default alone now. Then SmolLM2's steps at batch 128.
+    python3 -m benchmarks.compile_probe --layers 4 --scan yes --timeout 120 --name probe-qwen3-8b --variants default \
       --out-dir "$OUT" 2>&1 | tee "$OUT/probe.log"
     python3 -m benchmarks.compile_probe --arch smollm2-135m --dtype float32 --batch 128 --prompt 128 --cache-len 768 \
       --variants default --timeout 90 --name probe-smollm2-b128 --out-dir "$OUT" 2>&1 | tail -n 4 | tee -a "$OUT/probe.log"

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from bastion_jax.cli import fail, stderr_log
+from bastion_jax.profile import add_layout_flag
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, help="--arch: keep only the first N target layers")
     p.add_argument("--drafter-layers", type=int)
     p.add_argument("--block-size", type=int)
+    add_layout_flag(p)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: --target's own dtype; --arch: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--buckets", default="1,16,64,256")
@@ -166,7 +168,7 @@ def markdown(meta: dict, r: dict, crit: list[dict], prof) -> str:
     buckets = sorted({p.bucket for p in prof.points})
     lines = [f"# {meta['name']}", "",
              f"{meta['device']}, {meta['date']}, {meta['dtype']}, {meta['label']} ({meta['target_layers']} target "
-             f"layers), cache {prof.cache_len} slots, batch 1, median of {meta['reps']}", "",
+             f"layers, {meta['layers_layout']}), cache {prof.cache_len} slots, batch 1, median of {meta['reps']}", "",
              f"Measured copy bandwidth {r['bandwidth'] / 1e9:.1f} GB/s, matmul {meta['peaks']['flops'] / 1e12:.2f} "
              f"TFLOP/s; weights {r['weight_bytes'] / 2**30:.2f} GiB. The floor counts the KV of the live context, "
              f"which is all the attention reads (`attention.attend_split`), whatever the cache size. Committed "
@@ -245,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         r = ratios(engine, prof)
         meta = device_meta(engine, s.label, s.model_name, args.reps, args.warmup)
         tcfg = engine.target.config
+        meta["layers_layout"] = "scanned" if tcfg.scan_layers else "unrolled"
         meta["prefix_attention"] = {"mode": args.prefix_attention,
                                     "target_steps": prefix_kernel_mode(tcfg.head_dim, s.cache_len) or "xla"}
         # The real decode loop, with everything already compiled: its own compile counters must stay 0.

@@ -8,6 +8,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from bastion_jax import presets, profile
@@ -209,6 +210,30 @@ def test_random_init_is_on_device_in_the_requested_dtype():
     assert 0.01 < float(jnp.std(w.astype(jnp.float32))) < 0.04  # the model's own init (normal, std 0.02)
 
 
+def test_random_layouts_hold_the_same_weights():
+    """Unrolled random models are sliced from the scanned one's init (one RNG program per weight
+    kind, not per layer), so the two layouts of a preset are the same model."""
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    from bastion_jax.checkpoints.params import unstack_layers
+
+    t, d = presets.preset_configs("smollm2-135m", layers=2, drafter_layers=2)
+    lay = {scan: presets.random_models(dataclasses.replace(t, scan_layers=scan),
+                                       dataclasses.replace(d, scan_layers=scan), jnp.float32) for scan in (False, True)}
+    for i in (0, 1):  # target, drafter
+        flat = nnx.to_pure_dict(lay[False][i].state)
+        stacked = unstack_layers(nnx.to_pure_dict(lay[True][i].state))
+        assert jax.tree.structure(flat) == jax.tree.structure(stacked)
+        for x, y in zip(jax.tree.leaves(flat), jax.tree.leaves(stacked)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    layers = nnx.to_pure_dict(lay[False][0].state)["layers"]
+    assert not np.array_equal(np.asarray(layers[0]["mlp"]["up_proj"]["weight"]),
+                              np.asarray(layers[1]["mlp"]["up_proj"]["weight"]))  # each layer its own draw
+
+
 def test_verify_probe_times_the_target_side_without_compiling_tree_steps(tmp_path, monkeypatch):
     """verify_probe brings back the AR-vs-floor and verify(b)/AR ratios having compiled only the AR
     steps, the plain forwards and tree_verify: never tree_prefill, a tree step or the drafter (XLA:GPU
@@ -224,7 +249,7 @@ def test_verify_probe_times_the_target_side_without_compiling_tree_steps(tmp_pat
         return real(self, fn, key, args, static)
 
     monkeypatch.setattr(Executables, "compiled", spy)
-    rc = verify_probe.main(TINY + ["--out-dir", str(tmp_path), "--name", "vp", "--quiet"])
+    rc = verify_probe.main(TINY + ["--layers-layout", "scanned", "--out-dir", str(tmp_path), "--name", "vp", "--quiet"])
     assert rc == 0
     assert set(compiled) == {"prefill", "decode", "tree_verify", "forward"}, compiled
     data = json.loads((tmp_path / "vp.json").read_text())
@@ -241,6 +266,7 @@ def test_verify_probe_times_the_target_side_without_compiling_tree_steps(tmp_pat
     crit = {c["name"]: c for c in r["criteria"]}
     assert crit["verify(64) / AR step (max over contexts)"]["pass"] is None  # bucket 64 not measured here
     assert "| 16 |" in (tmp_path / "vp.md").read_text() and data["meta"]["device"] and data["meta"]["commit"]
+    assert data["meta"]["layers_layout"] == "scanned" and "target layers, scanned)" in (tmp_path / "vp.md").read_text()
     assert verify_probe.main(TINY + ["--gen-tokens", "3", "--out-dir", str(tmp_path), "--quiet"]) == 2  # no loop here
 
 
