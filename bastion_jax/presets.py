@@ -99,8 +99,8 @@ def init_on_device(cfg: TargetConfig | DrafterConfig, dtype: jnp.dtype, seed: in
     cls = Drafter if isinstance(cfg, DrafterConfig) else Transformer
     graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(seed))))
     # The stacked (scanned) twin is what gets initialised: one vmapped RNG program per parameter
-    # kind, where unrolled layers make one per layer and weight (XLA:GPU compiled Qwen3-8B's 36
-    # unrolled layers' init for over 110 s); unrolled layers then take their slices of it.
+    # kind, where unrolled layers make one per layer and weight (on an H100, Qwen3-8B's 36 unrolled
+    # layers were not initialised after 110 s); unrolled layers then take their slices of it.
     stacked = dataclasses.replace(cfg, scan_layers=True)
     params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(cls(stacked, dtype=dtype, rngs=nnx.Rngs(seed)))))()
     nnx.replace_by_pure_dict(state, match_layout(params, nnx.to_pure_dict(state)))
