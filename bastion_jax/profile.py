@@ -175,7 +175,7 @@ def setup(args, log=lambda msg: None) -> Setup:
         log(f"building {args.arch} ({tcfg.num_hidden_layers} layers, {tcfg.param_count() / 1e6:.0f}M params) + "
             f"{dcfg.num_hidden_layers}-layer drafter, random {jnp.dtype(dtype).name} weights")
         target, drafter = random_models(tcfg, dcfg, dtype, args.seed)
-        label = args.arch + (f"-L{args.layers}" if args.layers else "")
+        label = args.arch + (f"-L{args.layers}" if args.layers else "") + ("-scanned" if tcfg.scan_layers else "")
         model_name = with_lookup(f"arch:{label}|random", lookup is not None)
         draft_vocab = None
     else:
@@ -191,7 +191,7 @@ def setup(args, log=lambda msg: None) -> Setup:
             drafter = load_drafter(drafter_arg, target.config, target.dtype)
         cache_len = plan_cache_len(contexts, buckets, drafter.config.block_size,
                                    target.config.max_position_embeddings, args.max_len)
-        label = Path(args.target).name.split(".")[0] or "target"
+        label = (Path(args.target).name.split(".")[0] or "target") + ("-scanned" if target.config.scan_layers else "")
         draft_vocab = resolve_draft_vocab(target, drafter, getattr(args, "draft_vocab", "auto"))
         # what `generate` computes for the same pair and flags
         model_name = calibration_model(target, drafter, draft_vocab, lookup=lookup is not None)

@@ -20,10 +20,13 @@
 # default since. tree_prefill at 8B shapes has still never been compiled on a GPU. So, after running
 # `training_data/smollm2-135m-instruct/device_pieces.sh` here (three pieces), back to back:
 #   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && bash benchmarks/gpu_session.sh verify`
-#      (timeout ~300 s): AR vs HBM floor and verify(b)/AR with unrolled layers (the default), then
-#      scanned layers with XLA's dynamic-slice fusion switched on (does it read the stack in place?);
+#      (timeout ~420 s): AR vs HBM floor and verify(b)/AR with unrolled layers (the default; never
+#      timed on a GPU: its compile seconds are in the output), then scanned layers with XLA's
+#      dynamic-slice fusion switched on (does it read the stack in place?), 150 s at most;
 #   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash && timeout 330 bash benchmarks/gpu_session.sh
-#      perf` (timeout ~360 s): the whole profile, tree steps and the real bastion loop included;
+#      perf` (timeout ~360 s): the whole profile, tree steps and the real bastion loop included. XLA:GPU's
+#      compile time follows the kernel count, and unrolled layers multiply it: if call 1's unrolled
+#      compiles took minutes, or the scanned run with the fusion was as fast, run it with LAYOUT=scanned;
 #   3. carry the last piece: `bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS`, SECONDS
 #      about 60 under the lease's budget_left_s (status) with DATA_S=0 (the batch-128 data job has
 #      never finished a batch inside a lease); the fourth lease's 174 s of training gave drafter v12.
@@ -62,7 +65,8 @@ case "$step" in
   perf | perf-xla)
     mode=pallas
     [ "$step" = perf-xla ] && mode=xla
-    python3 -m benchmarks.perf_8b --prefix-attention "$mode" --buckets 1,16,32,64,128,256 --contexts 1024,2048 \
+    python3 -m benchmarks.perf_8b --prefix-attention "$mode" --layers-layout "${LAYOUT:-auto}" \
+      --buckets 1,16,32,64,128,256 --contexts 1024,2048 \
       --name "perf-qwen3-8b-$mode" --out-dir "$OUT" --compilation-cache /tmp/jax-cache 2>&1 | tee "$OUT/perf-$mode.log"
     ;;
   probe)

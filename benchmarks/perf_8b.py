@@ -247,7 +247,6 @@ def main(argv: list[str] | None = None) -> int:
         r = ratios(engine, prof)
         meta = device_meta(engine, s.label, s.model_name, args.reps, args.warmup)
         tcfg = engine.target.config
-        meta["layers_layout"] = "scanned" if tcfg.scan_layers else "unrolled"
         meta["prefix_attention"] = {"mode": args.prefix_attention,
                                     "target_steps": prefix_kernel_mode(tcfg.head_dim, s.cache_len) or "xla"}
         # The real decode loop, with everything already compiled: its own compile counters must stay 0.

@@ -8,9 +8,15 @@ import subprocess
 from pathlib import Path
 
 def commit() -> str:
+    """The checkout's short commit, with "+dirty" when tracked files differ from it (a device run of
+    an uncommitted fix must not pass for the commit before it)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
+                              check=True).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no")
+                                                     else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

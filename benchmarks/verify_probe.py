@@ -5,7 +5,7 @@
         --reps 1 --out-dir /tmp/probe                             # CPU smoke run (tests)
 
 Why: `perf_8b` times whole tree steps through the profiler, which compiles `tree_prefill` first, and
-XLA:GPU once took over 200 s on that at Qwen3-8B shapes, so no lease has brought back a ratio. This
+XLA:GPU once took over 200 s on that at Qwen3-8B shapes, and no lease brought back a ratio until this. It
 compiles only the plain AR decode step, the plain b-token forward and `tree_verify(b)` (the target's
 forward over a b-node tree with the tree mask, the taps and the accept walk: `Executables.verify_steps`)
 and times each alone at every context, so the issue's two target-side ratios come out of any lease:
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": engine.target.dtype.name, "target_layers": engine.target.config.num_hidden_layers,
             "layers_layout": "scanned" if engine.target.config.scan_layers else "unrolled",
             "buckets": list(engine.buckets), "cache_len": s.cache_len, "reps": args.reps, "warmup": args.warmup,
-            "prefix_attention": args.prefix_attention}
+            "prefix_attention": args.prefix_attention, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "measured": m, "ratios": r}, indent=2) + "\n")

@@ -32,3 +32,23 @@ def test_harness_writes_results_and_all_modes_match_ar(tmp_path):
     csv_rows = (tmp_path / "out" / "tiny.csv").read_text().splitlines()
     assert csv_rows[0] == "set,mode,tokens_per_s,tau,ratio_to_ar" and len(csv_rows) == 1 + 5
     assert (tmp_path / "out" / "tiny.png").stat().st_size > 1000 and data["meta"]["commit"]
+
+
+def test_results_name_a_dirty_checkout(monkeypatch):
+    """A run from uncommitted changes (a device call carries the working tree) must not pass for the
+    commit before them."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from benchmarks import report
+
+    def fake(status: str):
+        def run(args, **kw):
+            out = "abc1234\n" if "rev-parse" in args else status
+            return SimpleNamespace(stdout=out)
+        return run
+
+    monkeypatch.setattr(subprocess, "run", fake(""))
+    assert report.commit() == "abc1234"
+    monkeypatch.setattr(subprocess, "run", fake(" M bastion_jax/modeling/prefix_kernel.py\n"))
+    assert report.commit() == "abc1234+dirty"

@@ -44,11 +44,12 @@ def test_kernel_partial_equals_the_xla_loop(t, lengths):
     assert (np.asarray(got.l)[~seen] == 0).all() and (np.asarray(got.acc)[~seen] == 0).all()
 
 
-def test_kernel_reads_one_layer_of_a_stacked_cache():
+@pytest.mark.parametrize("t", [3, 40])
+def test_kernel_reads_one_layer_of_a_stacked_cache(t):
     """With scanned layers the cache is [layers, b, slots, kv, d]: the kernel reads layer `layer` (a traced
-    index inside the scan) in place, as the loop does."""
+    index inside the scan) in place, as the loop does; t = 40: two row blocks."""
     rng = np.random.default_rng(4)
-    q, _, _ = _inputs(rng, 2, 3, 128)
+    q, _, _ = _inputs(rng, 2, t, 128)
     k_stack = jnp.asarray(rng.normal(size=(3, 2, 128, 2, 16)) * 3, jnp.float32)
     v_stack = jnp.asarray(rng.normal(size=(3, 2, 128, 2, 16)), jnp.float32)
     length = jnp.asarray([10, 100], jnp.int32)

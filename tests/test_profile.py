@@ -267,6 +267,7 @@ def test_verify_probe_times_the_target_side_without_compiling_tree_steps(tmp_pat
     assert crit["verify(64) / AR step (max over contexts)"]["pass"] is None  # bucket 64 not measured here
     assert "| 16 |" in (tmp_path / "vp.md").read_text() and data["meta"]["device"] and data["meta"]["commit"]
     assert data["meta"]["layers_layout"] == "scanned" and "target layers, scanned)" in (tmp_path / "vp.md").read_text()
+    assert data["meta"]["label"].endswith("-scanned")  # default file names and calibration keys differ by layout
     assert verify_probe.main(TINY + ["--gen-tokens", "3", "--out-dir", str(tmp_path), "--quiet"]) == 2  # no loop here
 
 
@@ -294,6 +295,7 @@ def test_perf_8b_writes_its_ratios_at_a_tiny_shape(tmp_path):
     assert crit["compilations after warm-up"]["value"] == 0 and crit["compilations after warm-up"]["pass"] is True
     assert crit["verify(64) / AR step (max over contexts)"]["pass"] is None  # bucket 64 not measured here
     assert data["meta"]["device"] and data["meta"]["date"] and data["meta"]["generate"]["new_tokens"] == 3
+    assert data["meta"]["layers_layout"] == "unrolled" and not data["meta"]["label"].endswith("-scanned")
     md = (tmp_path / "perf.md").read_text()
     assert "| criterion | value | target | pass |" in md and "not measured" in md
     assert (tmp_path / "perf.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,4 +1,4 @@
-"""Scanned decoder layers (`TargetConfig.scan_layers`, the default off CPU): the same checkpoint loaded
+"""Scanned decoder layers (`TargetConfig.scan_layers`, a choice; unrolled is the default): the same checkpoint loaded
 stacked gives the same logits, caches and greedy tokens as unrolled, in float32 and bfloat16, with the
 XLA prefix loop and with the prefix kernel; checkpoints stay per layer. Likewise the layers' linear
 weights held [in, out] (`TargetConfig.weights_in_out`, the default on CPU): same logits and tokens
@@ -241,7 +241,7 @@ def test_scanned_pair_greedy_equals_ar_and_exports_per_layer(both, drafters, tmp
 
 
 def test_scanned_drafter_kernels_do_not_grow_with_depth(both):
-    """One compiled layer body whatever the drafter's depth (the GPU layout), where unrolled layers
+    """One compiled layer body whatever the drafter's depth (the scanned layout), where unrolled layers
     add ~70 kernels each (XLA:GPU's compile time follows the kernel count)."""
     import dataclasses
 

@@ -139,8 +139,8 @@ def default_scan_layers() -> bool:
     XLA copies each layer's weight slice out of the stacked parameters before its matmuls: on CPU
     1-token steps ran 10-18% slower; on an H100 (2026-11-27, Qwen3-8B shapes, bf16) the scanned AR
     step's optimised HLO copies q/o/gate/up/down of every layer per step (an async dynamic-slice
-    fusion each), about 3x the HBM floor's weight traffic, and the step took 17.6-19.7 ms against a
-    5.3 ms floor. Scanned layers stay a choice (`scan_layers=True`) where compile time matters more."""
+    fusion each), about 3x the HBM floor's weight traffic, and the step took 17.6-18.0 ms with the
+    Pallas prefix kernel (19.7-28.9 ms with the XLA loop) against a 5.3 ms floor. Scanned layers stay a choice (`scan_layers=True`) where compile time matters more."""
     return False
 
 
@@ -172,7 +172,8 @@ def load_target(path: str | Path, dtype: jnp.dtype | None = None, scan_layers: b
     file's float type, or float32 when its tensors are quantised (they are dequantised to float32).
     Nothing is upcast silently. `scan_layers`: run the decoder layers under a scan (stacked
     parameters and KV cache) or unrolled; `weights_in_out`: hold the layers' linear weights
-    [in, out]; None picks either by backend (`layer_layout`).
+    [in, out]; None picks unrolled layers (`default_scan_layers`) and the weights' layout by backend
+    (`default_weights_in_out`).
     """
     from bastion_jax.checkpoints import ConversionError, load_params, open_source
 

@@ -1,10 +1,12 @@
 """The committed-prefix part of `attend_split` as one Pallas kernel (flash-decoding), for GPUs.
 
 On GPU the XLA loop of `attention.prefix` launches a few small kernels per 256-slot chunk and
-layer; this kernel reads each row's live slots once, straight from the cache in its own
+layer; this kernel reads each row's live slots straight from the cache in its own
 `[batch, slots, kv_heads, head_dim]` layout (no transpose, no copy of the cache), for every query of
-the step at once: a tree's n nodes and a kv head's query group are one block of rows, since every
-query sees the whole prefix (the tree mask only concerns the step's own keys).
+the step at once: a tree's n nodes x a kv head's query group are the rows of one matrix, since every
+query sees the whole prefix (the tree mask only concerns the step's own keys), cut into blocks of at
+most MAX_ROWS rows (each block reads the prefix once: once per step up to 16 tree nodes at 4 query
+heads per kv head).
 
 Grid: (batch, kv_heads, row blocks, splits). Each program folds the live slots of its split (`slots / splits`
 of the cache, stopping at the row's length) block by block with the running max / sum of flash
