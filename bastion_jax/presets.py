@@ -92,7 +92,6 @@ def preset_configs(name: str, layers: int | None = None, drafter_layers: int | N
 def init_on_device(cfg: TargetConfig | DrafterConfig, dtype: jnp.dtype, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state) of a randomly initialised module, the parameters created by one jitted
     init on the default device directly in `dtype` (no host copy, no float32 detour)."""
-    from bastion_jax.checkpoints.params import match_layout
     from bastion_jax.modeling.drafter import Drafter
     from bastion_jax.modeling.transformer import Transformer
 
@@ -103,8 +102,25 @@ def init_on_device(cfg: TargetConfig | DrafterConfig, dtype: jnp.dtype, seed: in
     # layers were not initialised after 110 s); unrolled layers then take their slices of it.
     stacked = dataclasses.replace(cfg, scan_layers=True)
     params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(cls(stacked, dtype=dtype, rngs=nnx.Rngs(seed)))))()
-    nnx.replace_by_pure_dict(state, match_layout(params, nnx.to_pure_dict(state)))
+    if not cfg.scan_layers:
+        params["layers"] = _unstack_freeing(params.pop("layers"))  # popped: the stack is freed leaf by leaf
+    nnx.replace_by_pure_dict(state, params)
     return graphdef, state
+
+
+def _unstack_freeing(layers: dict) -> dict[int, dict]:
+    """Stacked `[num_layers, ...]` leaves -> `{i: layer i}`, each stacked leaf dropped once sliced, so
+    the weights are held about once, not twice (an 8B model's layers are ~14 GiB in bf16)."""
+    leaves, treedef = jax.tree.flatten(layers)
+    del layers
+    n = leaves[0].shape[0]
+    rows: list[list[jax.Array]] = [[] for _ in range(n)]
+    while leaves:
+        leaf = leaves.pop(0)
+        for i in range(n):
+            rows[i].append(leaf[i])
+        del leaf
+    return {i: jax.tree.unflatten(treedef, row) for i, row in enumerate(rows)}
 
 
 def random_models(target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None, dtype: jnp.dtype, seed: int = 0):
