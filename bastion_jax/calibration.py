@@ -20,7 +20,7 @@ def calibration_model(target, drafter, draft_vocab=None, lookup: bool = True) ->
 
     t = model_identity(target.path) if target.path is not None else "in-memory target"
     cfg = target.config  # how its layers run changes every step's time (`checkpoints.layer_layout`)
-    t += f"|{'scanned' if cfg.scan_layers else 'unrolled'}{' in-out' if cfg.weights_in_out else ''}"
+    t += f"|{cfg.layers_layout}{' in-out' if cfg.weights_in_out else ''}"
     if drafter is None:
         return f"{t}|none"
     d = model_identity(drafter.path) if drafter.path is not None else "random"

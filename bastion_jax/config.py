@@ -95,6 +95,11 @@ class TargetConfig:
     weights_in_out: bool = False
 
     @property
+    def layers_layout(self) -> str:
+        """"scanned" or "unrolled": how reports and calibration keys name `scan_layers`."""
+        return "scanned" if self.scan_layers else "unrolled"
+
+    @property
     def qk_norm(self) -> bool:
         """Qwen3 RMS-normalises each head of Q and K before RoPE; Llama does not."""
         return self.model_type == "qwen3"

@@ -109,8 +109,9 @@ def init_on_device(cfg: TargetConfig | DrafterConfig, dtype: jnp.dtype, seed: in
 
 
 def _unstack_freeing(layers: dict) -> dict[int, dict]:
-    """Stacked `[num_layers, ...]` leaves -> `{i: layer i}`, each stacked leaf dropped once sliced, so
-    the weights are held about once, not twice (an 8B model's layers are ~14 GiB in bf16)."""
+    """Stacked `[num_layers, ...]` leaves -> `{i: layer i}`, the layout `checkpoints.params.unstack_layers`
+    gives, but each stacked leaf dropped once sliced (this function owns the stack; that one leaves its
+    input whole), so the weights are held about once, not twice (Qwen3-8B's layers: ~14 GiB in bf16)."""
     leaves, treedef = jax.tree.flatten(layers)
     del layers
     n = leaves[0].shape[0]

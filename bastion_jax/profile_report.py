@@ -117,7 +117,7 @@ def device_meta(engine, label: str, model_name: str, reps: int, warmup: int) -> 
     return {"device": dev.device_kind, "backend": jax.default_backend(), "date": datetime.date.today().isoformat(),
             "label": label, "model": model_name, "dtype": engine.target.dtype.name, "buckets": list(engine.buckets),
             "block_size": engine.block_size, "target_layers": engine.target.config.num_hidden_layers,
-            "layers_layout": "scanned" if engine.target.config.scan_layers else "unrolled",
+            "layers_layout": engine.target.config.layers_layout,
             "reps": reps, "warmup": warmup, "peaks": dataclasses.asdict(engine.latency.peaks),
             "datasheet": dataclasses.asdict(DevicePeaks.detect())}
 

@@ -138,7 +138,8 @@ def report(engine, m: dict) -> dict:
 def markdown(meta: dict, m: dict, r: dict) -> str:
     buckets = meta["buckets"]
     lines = [f"# {meta['name']}", "", f"{meta['device']}, {meta['date']}, commit {meta['commit']}, {meta['dtype']}, "
-             f"{meta['label']} ({meta['target_layers']} target layers, {meta['layers_layout']}), cache {meta['cache_len']} slots, batch 1, "
+             f"{meta['label']} ({meta['target_layers']} target layers, {meta['layers_layout']}), "
+             f"cache {meta['cache_len']} slots, batch 1, "
              f"median of {meta['reps']}. Copy bandwidth {r['bandwidth'] / 1e9:.1f} GB/s (measured), weights a step "
              f"reads {r['weight_bytes'] / 2**30:.2f} GiB. Target side only (`benchmarks.verify_probe`): no drafter, "
              "no tree_prefill compiled.", "", "| criterion | value | target | pass |", "|---|---|---|---|"]
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"name": name, "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
             "date": datetime.date.today().isoformat(), "commit": commit(), "label": s.label,
             "dtype": engine.target.dtype.name, "target_layers": engine.target.config.num_hidden_layers,
-            "layers_layout": "scanned" if engine.target.config.scan_layers else "unrolled",
+            "layers_layout": engine.target.config.layers_layout,
             "buckets": list(engine.buckets), "cache_len": s.cache_len, "reps": args.reps, "warmup": args.warmup,
             "prefix_attention": args.prefix_attention, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     out = Path(args.out_dir)

@@ -140,7 +140,8 @@ def default_scan_layers() -> bool:
     1-token steps ran 10-18% slower; on an H100 (2026-11-27, Qwen3-8B shapes, bf16) the scanned AR
     step's optimised HLO copies q/o/gate/up/down of every layer per step (an async dynamic-slice
     fusion each), about 3x the HBM floor's weight traffic, and the step took 17.6-18.0 ms with the
-    Pallas prefix kernel (19.7-28.9 ms with the XLA loop) against a 5.3 ms floor. Scanned layers stay a choice (`scan_layers=True`) where compile time matters more."""
+    Pallas prefix kernel (19.7-28.9 ms with the XLA loop) against a 5.3 ms floor. Scanned layers stay
+    a choice (`scan_layers=True`) where compile time matters more."""
     return False
 
 

@@ -55,8 +55,9 @@ def _splits(slots: int, block_k: int) -> int:
 
 def _kernel(offset_ref, length_ref, q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref, *, block_k: int, split_len: int,
             scale: float):
-    """One (row, kv head, row block, split): q_ref [R, d] (R <= MAX_ROWS); k_ref, v_ref the whole cache [rows, slots, kv_heads, d]
-    (this program reads row offset + its batch row, its kv head, its split's slots, block by block);
+    """One (row, kv head, row block, split): q_ref [R, d] (R <= MAX_ROWS); k_ref, v_ref the whole cache
+    [rows, slots, kv_heads, d] (this program reads row offset + its batch row, its kv head, its split's
+    slots, block by block);
     writes acc [R, d], l and m [R] of the live slots (< length) in the split."""
     row, head, split = offset_ref[()] + pl.program_id(0), pl.program_id(1), pl.program_id(3)
     first = split * split_len
