@@ -157,6 +157,9 @@ def setup(args, log=lambda msg: None) -> Setup:
     contexts = parse_contexts(args.contexts)
     dtype = resolve_dtype(args.dtype)
     scan = LAYOUTS[getattr(args, "layers_layout", "auto")]
+    if scan and getattr(args, "install", False):  # generate loads unrolled layers: the file would never be read
+        raise ProfileError("--install profiles the layout generate runs: drop --layers-layout scanned (generate "
+                           "loads unrolled layers and would never read a scanned calibration)")
 
     from bastion_jax.engine import Engine
 

@@ -169,6 +169,7 @@ def test_saved_peaks_are_adopted_and_old_files_still_load(tmp_path):
     (["--arch", "smollm2-135m", "--reps", "0"], "--reps must be >= 1"),
     (["--target", "/nonexistent/model"], "checkpoint not found"),
     (["--target", "/nonexistent/model", "--layers", "2"], "only apply to --arch"),
+    (["--arch", "smollm2-135m", "--layers-layout", "scanned", "--install"], "drop --layers-layout scanned"),
 ])
 def test_bad_input_is_one_error_line(capsys, argv, message):
     assert profile.main(argv + ["--quiet"]) == 2
