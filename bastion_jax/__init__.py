@@ -5,7 +5,8 @@ The public API is re-exported here; submodules each hold one job (see docs/archi
 - loading: `load_target`, `load_drafter`, `random_target`, `random_drafter`, `default_target_dir`,
   `default_drafter_dir`, `load_tokenizer`, `encode_prompt`
 - configs: `TargetConfig`, `DrafterConfig`, `RopeConfig`, `SamplingConfig` (+ `sampler` -> `Sampler`), `StepConfig`,
-  `LookupConfig` (the context lookup of the tree modes)
+  `LookupConfig` (the context lookup of the tree modes), `Datastore` / `load_datastore` (its second
+  source: text the target wrote before)
 - pure steps and their state: `prefill` / `decode` (AR), `spec_prefill` / `spec_step` (chain,
   `SpecState`), `tree_prefill` / `tree_step` / `root_step` (trees, `TreeState`), `StepOutput`,
   `KVCache`, `DraftVocab`
@@ -16,6 +17,7 @@ from bastion_jax.checkpoints import (
     CheckpointError, LoadedDrafter, Target, load_drafter, load_target, random_drafter, random_target,
 )
 from bastion_jax.config import ConfigError, RopeConfig, TargetConfig
+from bastion_jax.datastore import Datastore, DatastoreError, load_datastore
 from bastion_jax.controller import Controller, Policy
 from bastion_jax.decoding import decode, prefill
 from bastion_jax.default_model import default_drafter_dir, default_target_dir
@@ -31,10 +33,12 @@ from bastion_jax.text import encode_prompt, load_tokenizer
 from bastion_jax.tree_decoding import TreeState, root_step, tree_prefill, tree_step
 
 __all__ = [
-    "CheckpointError", "ConfigError", "Controller", "DraftVocab", "DrafterConfig", "Engine", "GenerationError",
+    "CheckpointError", "ConfigError", "Controller", "Datastore", "DatastoreError", "DraftVocab", "DrafterConfig",
+    "Engine", "GenerationError",
     "KVCache", "LatencyModel", "LoadedDrafter", "LookupConfig", "Policy", "Result", "RopeConfig", "Sampler",
     "SamplingConfig", "SpecState",
     "Stats", "StepConfig", "StepOutput", "Target", "TargetConfig", "TreeState", "decode", "default_drafter_dir",
-    "default_target_dir", "encode_prompt", "load_drafter", "load_target", "load_tokenizer", "prefill",
+    "default_target_dir", "encode_prompt", "load_datastore", "load_drafter", "load_target", "load_tokenizer",
+    "prefill",
     "random_drafter", "random_target", "root_step", "sampler", "spec_prefill", "spec_step", "tree_prefill", "tree_step",
 ]

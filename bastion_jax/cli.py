@@ -67,8 +67,14 @@ LOOKUP_HELP = ("context lookup in the tree modes: on (default) adds the continua
                "either way")
 
 
+DATASTORE_HELP = ("with --lookup on, also offer chains copied from text the target wrote before, where they "
+                  "promise more than the context's: auto (default) uses the drafter's datastore.npz when it ships one "
+                  "(the default drafter does), off, or a file from `train_drafter datastore`. Output is unchanged")
+
+
 def add_lookup_flag(parser) -> None:
     parser.add_argument("--lookup", default="on", choices=["on", "off"], help=LOOKUP_HELP)
+    parser.add_argument("--datastore", default="auto", help=DATASTORE_HELP)
 
 
 def resolve_lookup(flag: str):

@@ -28,6 +28,7 @@ from bastion_jax.controller import DEFAULT_BUCKETS, Controller, Policy, PolicyEr
 from bastion_jax.draft_gate import DraftGate
 from bastion_jax.executables import Executables
 from bastion_jax.latency import AR, AR_DRAFT, DevicePeaks, LatencyModel, ModelDims
+from bastion_jax.datastore import Datastore, resolve_datastore
 from bastion_jax.lookup import LookupConfig
 from bastion_jax.sampling import SamplingConfig, sampler
 from bastion_jax.speculative import DraftVocab, resolve_draft_vocab
@@ -65,6 +66,9 @@ class Engine:
     and gives the drafter's trees alone, as the official BASTION code). `draft_vocab` restricts the
     drafter's LM head in the tree modes: "auto" (the default, as the CLI: the drafter's shipped token
     ranking, top 8192, when it has one), "full" or None (every token), N (top N), or a `DraftVocab`.
+    `datastore` offers the lookup a second chain, from text the target wrote before (`datastore.py`):
+    "auto" (the default: the drafter's `datastore.npz`, when it ships one and lookup is on), a
+    file, a loaded `Datastore`, or None / "off".
     """
 
     def __init__(self, target: Target, tokenizer=None, *, drafter: LoadedDrafter | None = None,
@@ -72,7 +76,7 @@ class Engine:
                  block_size: int | None = None, mask_token_id: int = 0,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, top_k: int = 128,
                  latency: LatencyModel | None = None, draft_vocab: DraftVocab | str | int | None = "auto",
-                 lookup: LookupConfig | None = LookupConfig()):
+                 lookup: LookupConfig | None = LookupConfig(), datastore: Datastore | str | None = "auto"):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -99,9 +103,10 @@ class Engine:
             raise GenerationError("a draft vocabulary restricts a drafter's LM head: it needs a drafter and no proposal")
         self.draft_vocab = draft_vocab
         self.lookup = lookup
+        self.datastore = resolve_datastore(datastore, target, drafter, lookup)
         self.executables = Executables(target, drafter, proposal=proposal, block_size=block_size,
                                        mask_token_id=mask_token_id, buckets=self.buckets, top_k=top_k,
-                                       draft_vocab=draft_vocab, lookup=lookup)
+                                       draft_vocab=draft_vocab, lookup=lookup, store=self.datastore)
         self._gate_memory: dict = {}  # the draft gate's acceptance estimates, kept across requests
         self.latency = latency or self.default_latency_model()
         self._batch_latency: dict[int, LatencyModel] = {}  # models for other batch sizes than self.latency's

@@ -3,7 +3,7 @@
 `Executables` lowers and compiles each pure step function (`decoding`, `speculative`,
 `tree_decoding`) ahead of time (`jit(...).lower(...).compile()`) for the shapes a request needs,
 and keeps them in a table keyed by what changes the compiled code (step, sampling, batch, cache
-length, buckets, tree width, draft vocabulary size, context lookup). It counts every compilation it
+length, buckets, tree width, draft vocabulary size, context lookup, datastore size). It counts every compilation it
 does, so the engine (and the tests) can prove a second request with the same shapes compiles nothing. The
 engine, the profiler and the benchmarks all get their steps here.
 """
@@ -18,6 +18,7 @@ from flax import nnx
 
 from bastion_jax import decoding, speculative, tree_decoding
 from bastion_jax.checkpoints import LoadedDrafter, Target
+from bastion_jax.datastore import Datastore
 from bastion_jax.lookup import LookupConfig
 from bastion_jax.modeling.cache import KVCache
 from bastion_jax.sampling import SamplingConfig, sampler
@@ -27,13 +28,14 @@ from bastion_jax.tree_decoding import DRAFT, FLUSH, HOLD
 
 
 class Bound:
-    """A compiled tree-policy executable with the draft vocabulary bound as its last argument."""
+    """A compiled tree-policy executable with its last arguments bound (the draft vocabulary, and for
+    the steps that run the lookup the datastore)."""
 
-    def __init__(self, exe, draft_vocab: DraftVocab | None):
-        self.exe, self.draft_vocab = exe, draft_vocab
+    def __init__(self, exe, *bound):
+        self.exe, self.bound = exe, bound
 
     def __call__(self, *args):
-        return self.exe(*args, self.draft_vocab)
+        return self.exe(*args, *self.bound)
 
 
 # Every bf16 rounding the code asks for happens, whatever XLA fuses: with excess precision allowed, a
@@ -48,8 +50,10 @@ class Executables:
 
     def __init__(self, target: Target, drafter: LoadedDrafter | None, *, proposal: Callable | None,
                  block_size: int | None, mask_token_id: int, buckets: tuple[int, ...], top_k: int,
-                 draft_vocab: DraftVocab | None, lookup: LookupConfig | None = None):
+                 draft_vocab: DraftVocab | None, lookup: LookupConfig | None = None,
+                 store: Datastore | None = None):
         self.target, self.drafter, self.proposal, self.lookup = target, drafter, proposal, lookup
+        self.store = store if lookup is not None else None  # the datastore serves the lookup only
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.buckets, self.top_k, self.draft_vocab = buckets, top_k, draft_vocab
         # The steps take plain nested dicts of arrays: flattening an `nnx.State` (nested State nodes
@@ -106,6 +110,10 @@ class Executables:
     def _n_draft(self) -> int | None:
         return None if self.draft_vocab is None else int(self.draft_vocab.ids.shape[0])
 
+    @property
+    def _n_store(self) -> int | None:
+        return None if self.store is None else int(self.store.tokens.shape[0])
+
     # -- per policy ------------------------------------------------------------------------------
     def ar(self, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig):
         """(prefill, decode) of plain AR decoding at these shapes."""
@@ -134,12 +142,13 @@ class Executables:
         tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
         dcache = jax.eval_shape(lambda: self.new_drafter_cache(batch, cache_len))
         return (cfg, self.target_params, dstate, tcache, dcache, jax.ShapeDtypeStruct((batch, bucket), i32),
-                jax.ShapeDtypeStruct((batch,), i32), sampler(jax.random.PRNGKey(0), SamplingConfig()), self.draft_vocab)
+                jax.ShapeDtypeStruct((batch,), i32), sampler(jax.random.PRNGKey(0), SamplingConfig()), self.draft_vocab,
+                self.store)
 
     def chain(self, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig):
         """(prefill, step) of chain speculative decoding (mode dflash) at these shapes."""
         cfg = self.config(sampling)
-        args = self._prefill_args(cfg, batch, bucket, cache_len)[:-1]  # (the chain drafts over the full vocabulary)
+        args = self._prefill_args(cfg, batch, bucket, cache_len)[:-2]  # (the chain drafts over the full vocabulary)
         prefill = self.compiled(speculative.spec_prefill, ("spec_prefill", cfg, batch, bucket, cache_len), args)
         state = jax.eval_shape(lambda *a: speculative.spec_prefill(cfg, *a), *args[1:])
         step = self.compiled(speculative.spec_step, ("spec_step", cfg, batch, cache_len),
@@ -149,33 +158,35 @@ class Executables:
     def _tree_step_args(self, cfg: StepConfig, batch: int, cache_len: int) -> tuple:
         """Abstract arguments of a tree/root step; traced once per shape (tracing a prefill costs ~30 ms
         per request on CPU otherwise)."""
-        key = (cfg, batch, cache_len, self._n_draft)
+        key = (cfg, batch, cache_len, self._n_draft, self._n_store)
         if key not in self._step_args:
             args = self._prefill_args(cfg, batch, 16, cache_len)
             state = jax.eval_shape(lambda *a: tree_decoding.tree_prefill(cfg, *a)[0], *args[1:])
             self._step_args[key] = (cfg, self.target_params, args[2], state, jax.ShapeDtypeStruct((batch,), bool),
-                                    args[7], self.draft_vocab)
+                                    args[7], self.draft_vocab, self.store)
         return self._step_args[key]
 
     def tree(self, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig, step_buckets: Sequence[int]):
         """(prefill, {bucket: step}) of the tree policies. The callables bind the draft vocabulary; a
         step takes an optional `then` (default: draft the next tree)."""
         cfg = self.config(sampling)
-        prefill = self.compiled(tree_decoding.tree_prefill, ("tree_prefill", cfg, batch, bucket, cache_len, self._n_draft),
+        prefill = self.compiled(tree_decoding.tree_prefill,
+                                ("tree_prefill", cfg, batch, bucket, cache_len, self._n_draft, self._n_store),
                                 self._prefill_args(cfg, batch, bucket, cache_len))
         step_args = self._tree_step_args(cfg, batch, cache_len)
-        steps = {b: Bound(self.compiled(tree_decoding.tree_step, ("tree_step", cfg, batch, cache_len, self._n_draft, b),
-                                        step_args, dict(bucket=b)), self.draft_vocab)
+        steps = {b: Bound(self.compiled(tree_decoding.tree_step, ("tree_step", cfg, batch, cache_len, self._n_draft,
+                                                                  self._n_store, b),
+                                        step_args, dict(bucket=b)), self.draft_vocab, self.store)
                  for b in step_buckets}
-        return Bound(prefill, self.draft_vocab), steps
+        return Bound(prefill, self.draft_vocab, self.store), steps
 
     def roots(self, batch: int, cache_len: int, sampling: SamplingConfig) -> dict[int, Bound]:
         """{then: root step}: the AR step of the tree policies (hold, draft or flush after it)."""
         cfg = self.config(sampling)
         step_args = self._tree_step_args(cfg, batch, cache_len)
         return {then: Bound(self.compiled(tree_decoding.root_step,
-                                          ("root_step", cfg, batch, cache_len, self._n_draft, then),
-                                          step_args, dict(then=then)), self.draft_vocab)
+                                          ("root_step", cfg, batch, cache_len, self._n_draft, self._n_store, then),
+                                          step_args, dict(then=then)), self.draft_vocab, self.store)
                 for then in (HOLD, DRAFT, FLUSH)}
 
     def chains(self, batch: int, cache_len: int, sampling: SamplingConfig) -> dict[int, Bound]:
@@ -185,9 +196,10 @@ class Executables:
             return {}
         cfg = self.config(sampling)
         step_args = self._tree_step_args(cfg, batch, cache_len)
-        return {b: Bound(self.compiled(tree_decoding.tree_step, ("tree_step", cfg, batch, cache_len, self._n_draft, b,
-                                                                 HOLD), step_args, dict(bucket=b, then=HOLD)),
-                         self.draft_vocab)
+        return {b: Bound(self.compiled(tree_decoding.tree_step, ("tree_step", cfg, batch, cache_len, self._n_draft,
+                                                                 self._n_store, b, HOLD),
+                                       step_args, dict(bucket=b, then=HOLD)),
+                         self.draft_vocab, self.store)
                 for b in self.buckets if 1 < b <= self.block_size}
 
     def tree_struct(self, batch: int, cache_len: int):

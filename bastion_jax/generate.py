@@ -171,14 +171,15 @@ def main(argv: list[str] | None = None) -> int:
         elif draft_vocab is not None:
             log(f"draft vocabulary: the {draft_vocab.ids.shape[0]} most frequent tokens (--draft-vocab full: all)")
         engine = Engine(target, tokenizer, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
-                        draft_vocab=draft_vocab, lookup=resolve_lookup(args.lookup))
+                        draft_vocab=draft_vocab, lookup=resolve_lookup(args.lookup), datastore=args.datastore)
         ids = [encode_prompt(tokenizer, p, chat=not args.no_chat, system=args.system) for p in prompts]
         # One cache length for every run of this request (the compared AR run too: same attention cost).
         cache_len = engine.cache_len_for([len(x) for x in ids], args.max_new_tokens, args.max_len,
                                          engine.slack(policy))
         if policy.kind == "bastion":
             if len(ids) == 1:
-                model = calibration_model(target, drafter, engine.draft_vocab, lookup=engine.lookup is not None)
+                model = calibration_model(target, drafter, engine.draft_vocab, lookup=engine.lookup is not None,
+                                          datastore=engine.datastore)
                 load_or_calibrate(engine, model, cache_len, sampling, args.no_calibrate, log)
             else:  # a saved profile times batch-1 steps: not this run's cost, and nothing is saved from here
                 log(f"latency calibration: not used for a batch of {len(ids)} prompts (steps of {len(ids)} rows "

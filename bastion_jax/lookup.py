@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from bastion_jax.datastore import NUM_CLASSES, Datastore, store_chain
 from bastion_jax.modeling.cache import append_rows
 
 # P(first token right) and P(next right | previous right) per match length n = 1..4, measured on the
@@ -110,16 +111,30 @@ class LookupState:
     history: jax.Array  # [b, L] int32 the row's tokens by position, the root last
     chain: jax.Array  # [b, depth] int32 the chain after the root (-1: none)
     order: jax.Array  # [b] int32 its match length (0: none)
-    counts: jax.Array  # [b, max_ngram, 4] f32 per match length: first hits, first trials, cont hits, cont trials
+    # [b, C, 4] f32 per chain class (match length n, then the datastore's classes): first hits, first
+    # trials, cont hits, cont trials
+    counts: jax.Array
 
 
-def probabilities(cfg: LookupConfig, counts: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(first [max_ngram], cont [max_ngram]) for one row: the config's table as a prior worth
-    `prior_weight` trials, updated by what this row's chains did (posterior means). The table was
-    measured on one target's text; a text that copies less (or more) moves them within a few steps."""
+def probabilities(cfg: LookupConfig, counts: jax.Array, store: Datastore | None = None) -> tuple[jax.Array, jax.Array]:
+    """(first [C], cont [C]) for one row, C = max_ngram context classes (+ the datastore's chain
+    classes when there is one): the prior tables (the config's, the datastore's) as `prior_weight`
+    trials, updated by what this row's chains did (posterior means). The tables were measured on
+    one target's text; a text that copies less (or more) moves them within a few steps."""
     k = cfg.prior_weight
-    first = (counts[:, 0] + k * jnp.asarray(cfg.first, jnp.float32)) / (counts[:, 1] + k)
-    cont = (counts[:, 2] + k * jnp.asarray(cfg.cont, jnp.float32)) / (counts[:, 3] + k)
+    prior_first, prior_cont = jnp.asarray(cfg.first, jnp.float32), jnp.asarray(cfg.cont, jnp.float32)
+    if store is not None:
+        # The datastore's many classes each see few chains in one request, but how far this text
+        # follows the target's usual phrasing is shared: its priors are first scaled by the ratio of
+        # hits to prior-expected hits over all its classes (k trials' worth of 1), so a text that
+        # copies little (chat) stops offering its chains within a few steps.
+        ds = counts[cfg.max_ngram:]  # [NUM_CLASSES, 4]
+        scale_first = (jnp.sum(ds[:, 0]) + k) / (jnp.sum(ds[:, 1] * store.first) + k)
+        scale_cont = (jnp.sum(ds[:, 2]) + k) / (jnp.sum(ds[:, 3] * store.cont) + k)
+        prior_first = jnp.concatenate([prior_first, jnp.minimum(store.first * scale_first, 0.99)])
+        prior_cont = jnp.concatenate([prior_cont, jnp.minimum(store.cont * scale_cont, 0.99)])
+    first = (counts[:, 0] + k * prior_first) / (counts[:, 1] + k)
+    cont = (counts[:, 2] + k * prior_cont) / (counts[:, 3] + k)
     return jnp.minimum(first, 0.99), jnp.minimum(cont, 0.99)
 
 
@@ -141,20 +156,20 @@ def chain_outcome(chain: jax.Array, committed: jax.Array, count: jax.Array) -> j
 
 
 def init_state(cfg: LookupConfig | None, tokens: jax.Array, lengths: jax.Array, root: jax.Array, slots: int,
-               depth: int) -> tuple[LookupState, Chain | None]:
+               depth: int, store: Datastore | None = None) -> tuple[LookupState, Chain | None]:
     """The state after prefill: the prompt [b, t] and the first root in the history, no counts yet;
     and the chain after that root (None when lookup is off)."""
     b = root.shape[0]
     history = jnp.zeros((b, slots), jnp.int32).at[:, :tokens.shape[1]].set(tokens[:, :slots])
     history = append_rows(history, root[:, None], lengths, jnp.ones_like(lengths))
-    n = cfg.max_ngram if cfg is not None else 1
+    n = (cfg.max_ngram + (NUM_CLASSES if store is not None else 0)) if cfg is not None else 1
     state = LookupState(history, jnp.full((b, depth), -1, jnp.int32), jnp.zeros((b,), jnp.int32),
                         jnp.zeros((b, n, 4), jnp.float32))
-    return _with_chain(cfg, state, lengths)
+    return _with_chain(cfg, state, lengths, store)
 
 
 def advance(cfg: LookupConfig | None, state: LookupState, committed: jax.Array, length: jax.Array,
-            count: jax.Array) -> tuple[LookupState, Chain | None]:
+            count: jax.Array, store: Datastore | None = None) -> tuple[LookupState, Chain | None]:
     """After a step committed `count[b]` tokens `committed` [b, t] after the root at `length[b]`: count
     how the chain fared, write the tokens (the last is the new root), find the next chain (returned
     too, None when lookup is off)."""
@@ -162,23 +177,44 @@ def advance(cfg: LookupConfig | None, state: LookupState, committed: jax.Array, 
     counts = state.counts
     if cfg is not None:
         outcome = jax.vmap(chain_outcome)(state.chain, committed, count)  # [b, 4]
-        slot = jax.nn.one_hot(jnp.maximum(state.order - 1, 0), cfg.max_ngram) * (state.order > 0)[:, None]  # [b, N]
+        slot = jax.nn.one_hot(jnp.maximum(state.order - 1, 0), counts.shape[1]) * (state.order > 0)[:, None]  # [b, C]
         counts = counts + slot[:, :, None] * outcome[:, None, :]
-    return _with_chain(cfg, state.replace(history=history, counts=counts), length + count)
+    return _with_chain(cfg, state.replace(history=history, counts=counts), length + count, store)
 
 
-def _with_chain(cfg: LookupConfig | None, state: LookupState, root_pos: jax.Array) -> tuple[LookupState, Chain | None]:
+def _with_chain(cfg: LookupConfig | None, state: LookupState, root_pos: jax.Array, store: Datastore | None
+                ) -> tuple[LookupState, Chain | None]:
     if cfg is None:
         return state, None
-    chain = current_chain(cfg, state, root_pos)
+    chain = current_chain(cfg, state, root_pos, store)
     return state.replace(chain=chain.tokens, order=chain.order), chain
 
 
-def current_chain(cfg: LookupConfig, state: LookupState, root_pos: jax.Array) -> Chain:
-    """The chain after the root at `root_pos` [b], with this text's learnt probabilities (batched)."""
+def expected_length(chain: Chain) -> jax.Array:
+    """[b] the chain's expected accepted tokens on its own: sum over its tokens of first * cont^(d-1)."""
+    d = jnp.arange(chain.tokens.shape[-1], dtype=jnp.float32)
+    return jnp.sum(jnp.where(chain.tokens >= 0, chain.first[..., None] * chain.cont[..., None] ** d, 0.0), axis=-1)
+
+
+def current_chain(cfg: LookupConfig, state: LookupState, root_pos: jax.Array, store: Datastore | None = None
+                  ) -> Chain:
+    """The chain after the root at `root_pos` [b], with this text's learnt probabilities (batched):
+    the context lookup's, or the datastore's (`datastore.py`) where that one promises more accepted
+    tokens. Its `order` is the class its outcomes count in: the match length n for the context's,
+    max_ngram + 1 + the datastore class for the datastore's."""
     depth = state.chain.shape[1]
-    probs = jax.vmap(partial(probabilities, cfg))(state.counts)
-    return jax.vmap(find_chain, in_axes=(None, 0, 0, None, 0))(cfg, state.history, root_pos, depth, probs)
+    first, cont = jax.vmap(partial(probabilities, cfg, store=store))(state.counts)  # [b, C] each
+    ctx = jax.vmap(find_chain, in_axes=(None, 0, 0, None, 0))(cfg, state.history, root_pos, depth,
+                                                               (first, cont))
+    if store is None:
+        return ctx
+    tokens, cls, found = jax.vmap(store_chain, in_axes=(None, 0, 0, None))(store, state.history, root_pos, depth)
+    col = (cfg.max_ngram + cls)[:, None]
+    ds = Chain(tokens, jnp.where(found, jnp.take_along_axis(first, col, 1)[:, 0], 0.0),
+               jnp.where(found, jnp.take_along_axis(cont, col, 1)[:, 0], 0.0),
+               jnp.where(found, cfg.max_ngram + 1 + cls, 0).astype(jnp.int32))
+    use = expected_length(ds) > expected_length(ctx)  # [b]
+    return Chain(*(jnp.where(use[:, None] if a.ndim == 2 else use, a, c) for a, c in zip(ds, ctx)))
 
 
 def chain_curve(chain: Chain, buckets: tuple[int, ...]) -> jax.Array:

@@ -180,9 +180,10 @@ def setup(args, log=lambda msg: None) -> Setup:
         target, drafter = random_models(tcfg, dcfg, dtype, args.seed)
         label = args.arch + (f"-L{args.layers}" if args.layers else "") + ("-scanned" if tcfg.scan_layers else "")
         model_name = with_lookup(f"arch:{label}|random", lookup is not None)
-        draft_vocab = None
+        draft_vocab = datastore = None
     else:
         from bastion_jax.checkpoints import load_drafter, load_target, random_drafter
+        from bastion_jax.datastore import resolve_datastore
         from bastion_jax.presets import tiny_drafter_config
 
         target = load_target(args.target, dtype, scan_layers=scan)
@@ -196,10 +197,11 @@ def setup(args, log=lambda msg: None) -> Setup:
                                    target.config.max_position_embeddings, args.max_len)
         label = (Path(args.target).name.split(".")[0] or "target") + ("-scanned" if target.config.scan_layers else "")
         draft_vocab = resolve_draft_vocab(target, drafter, getattr(args, "draft_vocab", "auto"))
+        datastore = resolve_datastore(getattr(args, "datastore", "auto"), target, drafter, lookup)
         # what `generate` computes for the same pair and flags
-        model_name = calibration_model(target, drafter, draft_vocab, lookup=lookup is not None)
+        model_name = calibration_model(target, drafter, draft_vocab, lookup=lookup is not None, datastore=datastore)
     engine = Engine(target, None, drafter=drafter, stop_ids=[], buckets=buckets, top_k=args.tree_top_k,
-                    draft_vocab=draft_vocab, lookup=lookup)
+                    draft_vocab=draft_vocab, lookup=lookup, datastore=datastore)
     if args.peaks == "measure":
         copy_bytes = args.copy_mib << 20 if args.copy_mib else None
         log("measuring copy bandwidth and matmul rate")

@@ -57,6 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--vocab-size", type=int, default=None, help="target vocabulary (default: read from --target)")
     k.add_argument("--quiet", action="store_true")
 
+    s = sub.add_parser("datastore", help="build a datastore of target-written text (datastore.npz beside a "
+                       "drafter: generate's lookup then also offers chains copied from it), its hit rates measured "
+                       "on held-out greedy rows")
+    s.add_argument("--data", nargs="+", required=True, help="JSONL / .npz files written by data or pack")
+    s.add_argument("--out", required=True, help=".npz file to write (e.g. DRAFTER_DIR/datastore.npz)")
+    s.add_argument("--vocab-size", type=int, default=None, help="target vocabulary (default: the packed files')")
+    s.add_argument("--held-out", type=int, default=400, help="greedy rows whose prompts measure the hit rates")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--quiet", action="store_true")
+
     t = sub.add_parser("train", parents=[common], help="train (or resume) and export a drafter")
     t.add_argument("--data", nargs="+", required=True, help="JSONL file(s) written by the data command")
     t.add_argument("--out", required=True, help="work dir: checkpoints/, metrics.jsonl, drafter/ (the final export), best/ (the export of the best validation step, best.json its figures)")
@@ -293,7 +303,7 @@ def run_eval(args, target, log) -> None:
     buckets = parse_buckets(args.buckets)
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
                     draft_vocab=args.draft_vocab,
-                    lookup=resolve_lookup(args.lookup))
+                    lookup=resolve_lookup(args.lookup), datastore=args.datastore)
     sets = {}
     for spec in args.prompts:
         path = resolve_prompt_file(spec)
@@ -345,6 +355,26 @@ def run_pack(args, log) -> int:
     return 0
 
 
+def run_datastore(args, log) -> int:
+    import numpy as np
+
+    from bastion_jax.training.data import read_records
+    from bastion_jax.training.datastore_build import build_datastore
+
+    records = [r for p in args.data for r in read_records(p)]
+    vocab = args.vocab_size
+    if vocab is None:
+        sizes = {int(np.load(p)["vocab_size"]) for p in args.data if str(p).endswith(".npz")}
+        if len(sizes) != 1:
+            raise ValueError("--vocab-size is needed (the data files do not name one vocabulary)")
+        vocab = sizes.pop()
+    info = build_datastore(records, args.out, vocab, files=[str(p) for p in args.data], held_out=args.held_out,
+                           seed=args.seed, log=log)
+    log(f"wrote {args.out}: {info['rows']} rows, {info['tokens']} tokens ({Path(args.out).stat().st_size / 1e6:.1f} "
+        f"MB); first-token hit rate per class {info['first']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
@@ -360,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "pack":
             return run_pack(args, log)
+        if args.command == "datastore":
+            return run_datastore(args, log)
         path = args.target or default_target_dir(verbose=not args.quiet)
         target = load_target(path, resolve_dtype(args.dtype))
         log(f"loaded {path} ({target.dtype.name}: {dtype_note(args.dtype)})")

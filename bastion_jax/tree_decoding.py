@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from bastion_jax.datastore import Datastore
 from bastion_jax.decoding import prefill_target
 from bastion_jax.lookup import Chain, LookupState, advance, chain_curve, init_state
 from bastion_jax.modeling.cache import KVCache, append_rows, causal_mask, write_rows
@@ -87,13 +88,14 @@ def _next_tree(cfg: StepConfig, target, drafter, drafter_cache, features, ctx_st
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("target_cache", "drafter_cache"))
 def tree_prefill(cfg: StepConfig, target_state, drafter_state, target_cache: KVCache, drafter_cache: KVCache,
                  tokens: jax.Array, lengths: jax.Array, key: jax.Array,
-                 draft_vocab: Optional[DraftVocab] = None) -> tuple[TreeState, jax.Array]:
+                 draft_vocab: Optional[DraftVocab] = None, store: Optional[Datastore] = None
+                 ) -> tuple[TreeState, jax.Array]:
     """Target prefill + the first draft tree. Returns (state, surrogate curve [b, n_buckets])."""
     target, drafter = merge_models(cfg, target_state, drafter_state)
     root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, cfg.greedy,
                                                   cfg.tap_layers)
     batch, slots = root.shape[0], target_cache.max_len
-    look, chain = init_state(cfg.lookup, tokens, lengths, root, slots, cfg.block_size - 1)
+    look, chain = init_state(cfg.lookup, tokens, lengths, root, slots, cfg.block_size - 1, store)
     tree, curve, drafter_cache = _next_tree(cfg, target, drafter, drafter_cache, features, None, lengths, root,
                                             draft_vocab, chain=chain)
     pending = jnp.zeros((batch, pending_slots(cfg.block_size), features.shape[-1]), features.dtype)
@@ -155,7 +157,7 @@ def _verify(cfg: StepConfig, target, state: TreeState, active: jax.Array, key: j
 
 def _commit(cfg: StepConfig, then: int, target, drafter, state: TreeState, active: jax.Array, emitted: jax.Array,
             accepted: jax.Array, bonus: jax.Array, features: jax.Array, target_cache: KVCache,
-            draft_vocab: Optional[DraftVocab]) -> tuple[TreeState, StepOutput, jax.Array]:
+            draft_vocab: Optional[DraftVocab], store: Optional[Datastore]) -> tuple[TreeState, StepOutput, jax.Array]:
     """After a verify: lengths, the feature buffer, the lookup, then `then` (see `_then`)."""
     length = state.length
     new_length = jnp.where(active, length + accepted + 1, length)
@@ -164,7 +166,7 @@ def _commit(cfg: StepConfig, then: int, target, drafter, state: TreeState, activ
     # committed rows are written, and the host keeps them inside the buffer (`DraftGate.chain_bucket`).
     pending = append_rows(state.pending, features, state.pending_len, n_ctx)  # [b, W, F]
     # The accepted drafts and the bonus (the new root) go to positions length + 1 .. new_length.
-    look, chain = advance(cfg.lookup, state.lookup, emitted, length, n_ctx)
+    look, chain = advance(cfg.lookup, state.lookup, emitted, length, n_ctx, store)
     drafter_cache, next_tree, curve, pending_len = _then(
         cfg, then, target, drafter, state, pending, state.pending_len + n_ctx, length - state.pending_len, bonus,
         draft_vocab, active, chain)
@@ -174,19 +176,20 @@ def _commit(cfg: StepConfig, then: int, target, drafter, state: TreeState, activ
 
 @partial(jax.jit, static_argnames=("cfg", "bucket", "then"), donate_argnames=("state",))
 def tree_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
-              draft_vocab: Optional[DraftVocab] = None, *, bucket: int,
+              draft_vocab: Optional[DraftVocab] = None, store: Optional[Datastore] = None, *, bucket: int,
               then: int = 1) -> tuple[TreeState, StepOutput, jax.Array]:
     """Verify the first `bucket` nodes of the tree, accept, compact, then (`then`, see `_then`) draft
     the next tree (1, the default), or hold the new features for a later draft (0) or flush (2)."""
     target, drafter = merge_models(cfg, target_state, drafter_state)
     emitted, accepted, bonus, features, target_cache = _verify(cfg, target, state, active, key, bucket)
     return _commit(cfg, then, target, drafter, state, active, emitted, accepted, bonus, features, target_cache,
-                   draft_vocab)
+                   draft_vocab, store)
 
 
 @partial(jax.jit, static_argnames=("cfg", "then"), donate_argnames=("state",))
 def root_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
-              draft_vocab: Optional[DraftVocab] = None, *, then: int = 0) -> tuple[TreeState, StepOutput, jax.Array]:
+              draft_vocab: Optional[DraftVocab] = None, store: Optional[Datastore] = None, *,
+              then: int = 0) -> tuple[TreeState, StepOutput, jax.Array]:
     """A plain AR step for a state that holds no draft (the previous step did not draft): the
     target forward on the root alone (no tree mask, walk or compaction), its features buffered,
     then hold (0), draft the next tree (1) or flush the buffer into the drafter (2)."""
@@ -200,7 +203,7 @@ def root_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
     features = (out.taps if out.taps is not None else jnp.zeros((root.shape[0], 1, 1), jnp.float32))  # [b, 1, F]
     n_new = active.astype(jnp.int32)
     pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len, active)
-    look, chain = advance(cfg.lookup, state.lookup, choice[:, None], length, n_new)
+    look, chain = advance(cfg.lookup, state.lookup, choice[:, None], length, n_new, store)
     drafter_cache, next_tree, curve, pending_len = _then(
         cfg, then, target, drafter, state, pending, state.pending_len + n_new, length - state.pending_len, choice,
         draft_vocab, active, chain)

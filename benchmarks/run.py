@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
                     draft_vocab=args.draft_vocab,
-                    lookup=resolve_lookup(args.lookup))
+                    lookup=resolve_lookup(args.lookup), datastore=args.datastore)
     modes = ["ar", "dflash"] + [f"fixed:{n}" for n in parse_buckets(args.fixed)] + ["bastion"]
     if max(buckets) >= 32:
         modes.append("bastion-paper")
