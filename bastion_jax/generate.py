@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"draft vocabulary: the {draft_vocab.ids.shape[0]} most frequent tokens (--draft-vocab full: all)")
         engine = Engine(target, tokenizer, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
                         draft_vocab=draft_vocab, lookup=resolve_lookup(args.lookup), datastore=args.datastore)
+        if engine.datastore is not None and policy.uses_tree:
+            log(f"datastore: {engine.datastore.tokens.shape[0]:,} target-written tokens for the lookup's chains "
+                "(--datastore off: the context's chains only)")
         ids = [encode_prompt(tokenizer, p, chat=not args.no_chat, system=args.system) for p in prompts]
         # One cache length for every run of this request (the compared AR run too: same attention cost).
         cache_len = engine.cache_len_for([len(x) for x in ids], args.max_new_tokens, args.max_len,
