@@ -325,7 +325,8 @@ def run_eval(args, target, log) -> None:
         meta = {"drafter": str(drafter_dir), "target": str(target.path), "dtype": target.dtype.name,
                 "device": jax.devices()[0].device_kind, "date": datetime.date.today().isoformat(),
                 "max_new_tokens": args.max_new_tokens, "buckets": list(buckets), "tree_top_k": args.tree_top_k,
-                "draft_vocab": args.draft_vocab, "lookup": args.lookup, "batch_size": args.batch_size,
+                "draft_vocab": args.draft_vocab, "lookup": args.lookup, "datastore": args.datastore,
+                "batch_size": args.batch_size,
                 "prompts": {n: len(p) for n, p in sets.items()}}
         training = Path(drafter_dir) / "training.json"
         if training.is_file():
@@ -334,6 +335,7 @@ def run_eval(args, target, log) -> None:
         head = [f"# Acceptance: {Path(drafter_dir).name}", "",
                 f"{meta['device']}, {meta['date']}, {meta['dtype']}; {args.max_new_tokens} new tokens, T=0, "
                 f"first {args.max_prompts} prompts per set, batches of {args.batch_size}, context lookup {args.lookup} "
+                f"(datastore {args.datastore}) "
                 "(tree modes); tau = mean committed tokens per row step (accepted drafts + 1).", ""]
         out.with_suffix(".md").write_text("\n".join(head + lines) + "\n")
         log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
