@@ -358,22 +358,9 @@ def run_pack(args, log) -> int:
 
 
 def run_datastore(args, log) -> int:
-    import numpy as np
+    from bastion_jax.training.datastore_build import build_from_files
 
-    from bastion_jax.training.data import read_records
-    from bastion_jax.training.datastore_build import build_datastore
-
-    records = [r for p in args.data for r in read_records(p)]
-    vocab = args.vocab_size
-    if vocab is None:
-        sizes = {int(np.load(p)["vocab_size"]) for p in args.data if str(p).endswith(".npz")}
-        if len(sizes) != 1:
-            raise ValueError("--vocab-size is needed (the data files do not name one vocabulary)")
-        vocab = sizes.pop()
-    info = build_datastore(records, args.out, vocab, files=[str(p) for p in args.data], held_out=args.held_out,
-                           seed=args.seed, log=log)
-    log(f"wrote {args.out}: {info['rows']} rows, {info['tokens']} tokens ({Path(args.out).stat().st_size / 1e6:.1f} "
-        f"MB); first-token hit rate per class {info['first']}")
+    build_from_files(args.data, args.out, args.vocab_size, held_out=args.held_out, seed=args.seed, log=log)
     return 0
 
 

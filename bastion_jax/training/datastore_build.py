@@ -95,3 +95,22 @@ def build_datastore(records: Sequence[dict], out: str | Path, vocab_size: int, *
             "how": "python -m bastion_jax.train_drafter datastore (bastion_jax/training/datastore_build.py)"}
     save_datastore(out, [s for s, _ in seqs], first, cont, vocab_size, info)
     return info
+
+
+def build_from_files(paths: Sequence[str | Path], out: str | Path, vocab_size: int | None = None, *,
+                     held_out: int = 400, seed: int = 0, log=print) -> dict:
+    """`build_datastore` over data files (JSONL or packed .npz, `training.data.read_records`); the
+    vocabulary defaults to the one the packed files name."""
+    from bastion_jax.training.data import read_records
+
+    records = [r for p in paths for r in read_records(p)]
+    if vocab_size is None:
+        sizes = {int(np.load(p)["vocab_size"]) for p in paths if str(p).endswith(".npz")}
+        if len(sizes) != 1:
+            raise ValueError("--vocab-size is needed (the data files do not name one vocabulary)")
+        vocab_size = sizes.pop()
+    info = build_datastore(records, out, vocab_size, files=[str(p) for p in paths], held_out=held_out, seed=seed,
+                           log=log)
+    log(f"wrote {out}: {info['rows']} rows, {info['tokens']} tokens ({Path(out).stat().st_size / 1e6:.1f} MB); "
+        f"first-token hit rate per class {info['first']}")
+    return info
