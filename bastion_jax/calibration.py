@@ -25,7 +25,7 @@ def calibration_model(target, drafter, draft_vocab=None, lookup: bool = True, da
     if drafter is None:
         return f"{t}|none"
     d = model_identity(drafter.path) if drafter.path is not None else "random"
-    store = f"|datastore {int(datastore.tokens.shape[0])}" if datastore is not None and lookup else ""
+    store = f"|datastore {int(datastore.tokens.shape[0])}" if datastore is not None else ""
     return with_lookup(f"{t}|{d}" + (f"|draft-vocab {int(draft_vocab.ids.shape[0])}" if draft_vocab is not None
                                      else "") + store, lookup)
 

@@ -23,6 +23,7 @@ lookup's (`lookup.probabilities`). Verification is unchanged: any chain is lossl
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from pathlib import Path
@@ -185,8 +186,8 @@ def load_datastore(path: str | Path, vocab_size: int | None = None, cache: bool 
     (keyed by the file's bytes). `vocab_size` checks it was written for this target's vocabulary."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
-        with np.load(path) as z:
+        raw = path.read_bytes()  # read once: the cache key and the arrays
+        with np.load(io.BytesIO(raw)) as z:
             stored, sep, first, cont = z["tokens"], int(z["sep"]), z["first"], z["cont"]
             file_vocab = int(z["vocab_size"])
     except (OSError, KeyError, ValueError) as e:

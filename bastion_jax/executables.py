@@ -53,7 +53,7 @@ class Executables:
                  draft_vocab: DraftVocab | None, lookup: LookupConfig | None = None,
                  store: Datastore | None = None):
         self.target, self.drafter, self.proposal, self.lookup = target, drafter, proposal, lookup
-        self.store = store if lookup is not None else None  # the datastore serves the lookup only
+        self.store = store  # (a datastore serves the lookup: `datastore.resolve_datastore` refuses it without)
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.buckets, self.top_k, self.draft_vocab = buckets, top_k, draft_vocab
         # The steps take plain nested dicts of arrays: flattening an `nnx.State` (nested State nodes

@@ -2,8 +2,6 @@
 vote, files (round trip, refusals), the choice between the context's and the datastore's chain, and
 engine runs that copy from it with greedy output still AR's."""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +9,7 @@ import pytest
 
 from bastion_jax.datastore import (
     FILE, MAX_MATCH, NUM_CLASSES, SAMPLES, SEP, Datastore, DatastoreError, build_order, chain_class, corpus,
-    load_datastore, save_datastore, store_chain,
+    datastore_info, load_datastore, save_datastore, store_chain,
 )
 from bastion_jax.lookup import LookupConfig, LookupState, current_chain
 
@@ -238,8 +236,7 @@ def test_build_measures_rates_on_held_out_prompts(tmp_path, monkeypatch):
     assert main(["datastore", "--data", str(data), "--out", str(out), "--held-out", "10", "--quiet"]) == 0
     store = load_datastore(out, vocab_size=64)
     assert len(np.asarray(store.tokens)) == 1 + sum(1 + len(r["prompt_ids"]) + len(r["response_ids"]) for r in records)
-    with np.load(out) as z:
-        info = json.loads(str(z["info"]))
+    info = datastore_info(out)
     counts = np.asarray(info["counts"])
     assert info["held_out_rows"] == 10 and counts[:, 1].sum() > 0
     # Without the twins of held-out prompts, the random tokens around the phrase are mostly missed: far
