@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(Magpie: the chat template's user prefix, sampled), kept in OUT.magpie.jsonl (default 0)")
     d.add_argument("--magpie-temperature", type=float, default=1.0)
     d.add_argument("--magpie-max-tokens", type=int, default=96, help="longest self-written prompt (default 96)")
+    d.add_argument("--magpie-openers", action="store_true", help="start each self-written prompt with a generic "
+                   "opening phrase (training.data.MAGPIE_OPENERS: write, explain, role-play, solve, code, extract, "
+                   "...) so the prompts spread over the kinds of request a chat benchmark makes")
 
     k = sub.add_parser("pack", help="store data JSONL files compactly (uint16 ids, compressed .npz) to commit, "
                        "or unpack a .npz back to JSONL (to resume `data` on it)")
@@ -170,8 +173,8 @@ def drafter_config(target_cfg, args):
 def run_data(args, target, log) -> None:
     from bastion_jax.engine import Engine
     from bastion_jax.text import load_tokenizer
-    from bastion_jax.training.data import (file_prompts, generate_responses, magpie_prompts, mix_prompts,
-                                           stdlib_prompts)
+    from bastion_jax.training.data import (MAGPIE_OPENERS, file_prompts, generate_responses, magpie_prompts,
+                                           mix_prompts, stdlib_prompts)
 
     paths = [Path(s) for s in args.sources] if args.sources is not None else [DEFAULT_DATA_DIR / n
                                                                               for n in DEFAULT_SOURCES]
@@ -183,7 +186,8 @@ def run_data(args, target, log) -> None:
     if args.magpie:
         own = magpie_prompts(engine, tokenizer, args.magpie, f"{args.out}.magpie.jsonl",
                              temperature=args.magpie_temperature, max_new_tokens=args.magpie_max_tokens,
-                             batch_size=args.batch_size, seed=args.seed, progress=not args.quiet)
+                             batch_size=args.batch_size, seed=args.seed, progress=not args.quiet,
+                             openers=MAGPIE_OPENERS if args.magpie_openers else ())
         sources.append(("magpie", own))
     prompts = mix_prompts(sources, args.num, args.seed)
     log(f"{len(prompts)} prompts from " + ", ".join(f"{n} ({len(p)})" for n, p in sources))

@@ -43,12 +43,14 @@ class FakeEngine:
     def __init__(self, batches):
         self.batches = list(batches)
         self.seeds = []
+        self.prompts = []
 
     def generate(self, prompts, *, max_new_tokens, mode, sampling, seed):
         from types import SimpleNamespace
 
         assert mode == "ar" and sampling.temperature == 1.0
         self.seeds.append(seed)
+        self.prompts.append([list(p) for p in prompts])
         return SimpleNamespace(tokens=self.batches.pop(0))
 
 
@@ -70,6 +72,32 @@ def test_magpie_filters_and_resumes(tmp_path):
     again = FakeEngine([])
     assert magpie_prompts(again, tok, 2, out, batch_size=4, seed=7, progress=False) == got
     assert again.seeds == []
+
+
+def test_magpie_openers_start_each_user_turn(tmp_path):
+    """With openers, every row's prompt is the user prefix + one opener, drawn per batch from the seed,
+    and the kept prompt is the opener followed by what the target wrote."""
+    tok = chat_tokenizer()
+    vocab = tok.get_vocab()
+    openers = ("w4", "w5 w6", "w7")
+    body = [vocab[f"w{i}"] for i in range(20, 30)]
+    rows = lambda lo: [body[i:] + body[:i] + [2] for i in range(lo, lo + 4)]  # noqa: E731  distinct turns
+    engine = FakeEngine([rows(0), rows(4)])
+    got = magpie_prompts(engine, tok, 8, tmp_path / "m.jsonl", batch_size=4, seed=3, progress=False,
+                         openers=openers)
+    prefix = user_turn_prefix(tok)
+    starts = {tuple(tok(o, add_special_tokens=False)["input_ids"]): o for o in openers}
+    drawn = []
+    for batch, written in zip(engine.prompts, [got[:4], got[4:]]):
+        for prompt, text in zip(batch, written):
+            assert prompt[:len(prefix)] == prefix
+            opener = starts[tuple(prompt[len(prefix):])]  # exactly one opener follows the prefix
+            assert text.startswith(opener + " w2")
+            drawn.append(opener)
+    assert len(set(drawn)) > 1  # drawn per row, not one opener for the whole run
+    again = FakeEngine([rows(0), rows(4)])
+    magpie_prompts(again, tok, 8, tmp_path / "again.jsonl", batch_size=4, seed=3, progress=False, openers=openers)
+    assert again.prompts == engine.prompts  # the same seed draws the same openers
 
 
 def test_pack_round_trip_is_exact_and_compact(tmp_path):

@@ -164,6 +164,23 @@ def generate_responses(engine, tokenizer, prompts: Sequence[tuple[str, str]], ou
 
 MAGPIE_SENTINEL = "\u2063magpie query\u2063"
 
+# Opening words for self-written prompts (`magpie_prompts(openers=...)`). From the bare user prefix a
+# small target writes one kind of request over and over (SmolLM2: "I'm planning ... how should I ...?"
+# advice); a chat benchmark asks for essays, emails, role play, reasoning, maths, code, extraction,
+# science and humanities. Starting each user turn with one of these generic words (no benchmark text)
+# spreads the prompts over those kinds, and the target still writes the rest of the request.
+MAGPIE_OPENERS = (
+    "Write a", "Write a short story", "Compose an email", "Draft a", "Write a poem", "Write a persuasive",
+    "Imagine you are", "Pretend to be", "Act as", "Role-play as",
+    "Explain", "Explain why", "Describe", "Summarize", "Compare", "What is the difference between",
+    "Why does", "How does", "What are the main", "Give me", "List", "Suggest",
+    "Solve", "Calculate", "If a", "A train", "Prove that", "What is the probability",
+    "Write a Python function", "Write a program", "Implement", "How do I", "Fix this code",
+    "Extract", "Rewrite the following", "Translate", "Edit the following paragraph", "Classify",
+    "In physics,", "In biology,", "In chemistry,", "In economics,", "In history,", "Discuss",
+    "Evaluate", "Analyze", "Create a plan", "Help me",
+)
+
 
 def user_turn_prefix(tokenizer, system: str | None = None) -> list[int]:
     """Token ids of the chat template up to where a user's message begins (Magpie's query prompt).
@@ -180,10 +197,12 @@ def user_turn_prefix(tokenizer, system: str | None = None) -> list[int]:
 
 def magpie_prompts(engine, tokenizer, num: int, out: str | Path, *, temperature: float = 1.0,
                    max_new_tokens: int = 96, batch_size: int = 32, seed: int = 0, progress: bool = True,
-                   max_tries: int = 8) -> list[str]:
+                   max_tries: int = 8, openers: Sequence[str] = ()) -> list[str]:
     """Up to `num` user prompts the target writes itself (Magpie: feed the chat template's user prefix
     and sample the user turn), kept in `out` (JSONL, appended: an interrupted run resumes).
 
+    With `openers` (e.g. `MAGPIE_OPENERS`), each row's user turn starts with one of them, drawn per
+    batch with seed `seed + i`, and the prompt is the opener followed by what the target wrote.
     Turns that do not end with a stop token inside `max_new_tokens`, very short ones and repeats are
     dropped; batch `i` samples with seed `seed + i`, so reruns are deterministic."""
     from tqdm import tqdm
@@ -200,14 +219,15 @@ def magpie_prompts(engine, tokenizer, num: int, out: str | Path, *, temperature:
     with open(out, "a") as f, tqdm(total=num, initial=min(len(have), num), disable=not progress,
                                    desc="magpie prompts", unit="prompt") as bar:
         while len(have) < num and tries < max_tries * (num // batch_size + 1):
-            result = engine.generate([prefix] * batch_size, max_new_tokens=max_new_tokens, mode="ar",
+            starts = _opener_ids(tokenizer, openers, batch_size, seed + batch_index)  # [batch] token lists
+            result = engine.generate([prefix + s for s in starts], max_new_tokens=max_new_tokens, mode="ar",
                                      sampling=sampling, seed=seed + batch_index)
             batch_index += 1
             tries += 1
-            for toks in result.tokens:
+            for start, toks in zip(starts, result.tokens):
                 if not toks or toks[-1] not in engine.stop_ids:
                     continue  # ran out of budget mid-question
-                text = tokenizer.decode(toks[:-1], skip_special_tokens=True).strip()
+                text = tokenizer.decode(start + list(toks[:-1]), skip_special_tokens=True).strip()
                 if len(text) < 16 or text in seen or len(have) >= num:
                     continue
                 seen.add(text)
@@ -216,6 +236,15 @@ def magpie_prompts(engine, tokenizer, num: int, out: str | Path, *, temperature:
                 bar.update(1)
             f.flush()
     return have[:num]
+
+
+def _opener_ids(tokenizer, openers: Sequence[str], n: int, seed: int) -> list[list[int]]:
+    """Token ids of `n` openers drawn (with replacement) with `seed`; n empty lists without openers."""
+    if not openers:
+        return [[] for _ in range(n)]
+    rng = np.random.default_rng(seed)
+    return [list(tokenizer(openers[i], add_special_tokens=False)["input_ids"])
+            for i in rng.integers(0, len(openers), n)]
 
 
 def pack_records(records: Sequence[dict], out: str | Path, vocab_size: int) -> Path:

@@ -8,14 +8,14 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07 t07s3 t07s4 c7 c8 c9; do
+for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
   prompts=$here/magpie_prompts.jsonl.gz
   [ $kind = t07s3 ] && prompts=$here/magpie_prompts_s3.jsonl.gz  # its own self-written prompts (seed 3; 300 used)
   [ $kind = t07s4 ] && prompts=$here/magpie_prompts_s4.jsonl.gz  # likewise (seed 4)
-  case $kind in c7 | c8 | c9) prompts=$here/magpie_prompts_$kind.jsonl.gz ;; esac  # the chat sets' own
+  case $kind in c7 | c8 | c9 | c10) prompts=$here/magpie_prompts_$kind.jsonl.gz ;; esac  # the chat sets' own
   if [ -f $prompts ] && [ ! -f runs/data/$kind.jsonl.magpie.jsonl ]; then
     gunzip -c $prompts > runs/data/$kind.jsonl.magpie.jsonl
   fi
@@ -45,3 +45,9 @@ python -m bastion_jax.train_drafter pack --data runs/data/c8.jsonl --out $here/c
 # kind): 800 new Magpie prompts (seed 9, magpie_prompts_c9), responses at temperature 0.
 python -m bastion_jax.train_drafter data --out runs/data/c9.jsonl --num 800 --seed 9 --magpie 800 ${chat/--temperature 0.7/--temperature 0}
 python -m bastion_jax.train_drafter pack --data runs/data/c9.jsonl --out $here/c9.npz --vocab-size 49152
+# Greedy chat on prompts that start with a generic opener (--magpie-openers: write / explain / role-play /
+# solve / code / extract ...): the bare user prefix gave mostly one kind of request (advice), a chat
+# benchmark asks for many. 1200 prompts (seed 10, magpie_prompts_c10), responses at temperature 0.
+python -m bastion_jax.train_drafter data --out runs/data/c10.jsonl --num 1200 --seed 10 --magpie 1200 --magpie-openers \
+  ${chat/--temperature 0.7/--temperature 0}
+python -m bastion_jax.train_drafter pack --data runs/data/c10.jsonl --out $here/c10.npz --vocab-size 49152
