@@ -201,8 +201,8 @@ def magpie_prompts(engine, tokenizer, num: int, out: str | Path, *, temperature:
     """Up to `num` user prompts the target writes itself (Magpie: feed the chat template's user prefix
     and sample the user turn), kept in `out` (JSONL, appended: an interrupted run resumes).
 
-    With `openers` (e.g. `MAGPIE_OPENERS`), each row's user turn starts with one of them, drawn per
-    batch with seed `seed + i`, and the prompt is the opener followed by what the target wrote.
+    With `openers` (e.g. `MAGPIE_OPENERS`), each row's user turn starts with one of them (drawn per
+    row from batch `i`'s seed `seed + i`), and the prompt is the opener followed by what the target wrote.
     Turns that do not end with a stop token inside `max_new_tokens`, very short ones and repeats are
     dropped; batch `i` samples with seed `seed + i`, so reruns are deterministic."""
     from tqdm import tqdm
