@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--save-every", type=int, default=200)
     t.add_argument("--eval-every", type=int, default=0)
+    t.add_argument("--walk-rows", type=int, default=32, help="held-out rows whose first --walk-window response "
+                   "positions validation walks as greedy decoding does (the tau that picks the best step; 0: the "
+                   "teacher-forced tau over uniform anchors, which overstates decoding's; default 32)")
+    t.add_argument("--walk-window", type=int, default=96, help="response positions walked per row (default 96)")
     t.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     t.add_argument("--draft-vocab", default="auto", help="score the loss over the N most frequent tokens of the "
                    "training responses (FR-Spec; labels outside get no loss), 0 = the full vocabulary; auto: "
@@ -235,7 +239,7 @@ def run_train(args, target, log) -> None:
                       save_every=args.save_every, eval_every=args.eval_every,
                       draft_vocab=draft_vocab_size(args.draft_vocab, target.config.vocab_size),
                       matmul_dtype=args.matmul_dtype, cache_features=not args.no_feature_cache,
-                      distill=args.distill)
+                      distill=args.distill, walk_rows=args.walk_rows, walk_window=args.walk_window)
     data = TokenDataset.from_files(args.data, cfg.seq_len, target.config.vocab_size)
     train, val = data.split(args.held_out)
     if args.init:

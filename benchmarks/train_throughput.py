@@ -111,7 +111,7 @@ def worker_new(data_path: str, steps: int, variants: list[int]) -> list[dict]:
     import jax.numpy as jnp
 
     from bastion_jax.training import TokenDataset, Trainer, TrainConfig, batch_indices, train_step
-    from bastion_jax.training.trainer import set_learning_rate
+    from bastion_jax.training.optim import set_learning_rate
 
     target, data, drafter = _common(data_path)
     workdir = Path(tempfile.mkdtemp(prefix="train-throughput-"))

@@ -16,7 +16,8 @@ from bastion_jax.modeling.cache import KVCache
 from bastion_jax.speculative import draft_logits
 from bastion_jax.testing import tiny_drafter_config
 from bastion_jax.training import (DataError, Objective, TokenDataset, TrainConfig, Trainer, blocks_forward,
-                                  check_not_benchmark, make_blocks, sample_anchors, target_features)
+                                  check_not_benchmark, loss_vocab, make_blocks, sample_anchors, target_features, walk,
+                                  walk_runs)
 from bastion_jax.checkpoints.dflash import export_zlab
 
 BLOCK = 4
@@ -132,7 +133,7 @@ def test_toy_training_learns_resumes_and_exports(pair, toy_data, tmp_path):
     logs, bests = [], []
 
     def on_best(params, ev):
-        bests.append((ev["step"], ev["accept_len"]))
+        bests.append((ev["step"], ev["walk_tau"]))
         assert jax.tree.structure(params) == jax.tree.structure(drafter.state)
 
     Trainer(target, drafter, dataclasses_replace(cfg, steps=30), tmp_path, log=logs.append,
@@ -147,10 +148,10 @@ def test_toy_training_learns_resumes_and_exports(pair, toy_data, tmp_path):
     # The best validation step is exported each time it improves, across the resume: a record, never a regression.
     val_rows = [r for r in rows if r["split"] == "val"]
     assert [r["step"] for r in val_rows] == list(range(10, 61, 10))
-    records = []
+    records = []  # selected by the decoding walk's tau
     for r in val_rows:
-        if not records or r["accept_len"] > records[-1][1]:
-            records.append((r["step"], r["accept_len"]))
+        if not records or r["walk_tau"] > records[-1][1]:
+            records.append((r["step"], r["walk_tau"]))
     assert bests == records and bests[0][0] == 10
     assert json.loads((tmp_path / "best.json").read_text())["step"] == bests[-1][0]
     # The tiny random target's LM head gives small logits, so the loss moves slowly from log(96)
@@ -169,13 +170,31 @@ def test_toy_training_learns_resumes_and_exports(pair, toy_data, tmp_path):
     untrained = Engine(target, drafter=drafter, stop_ids=[-1]).generate(prompts, max_new_tokens=20, mode="dflash")
     assert spec.stats.tau > untrained.stats.tau and spec.stats.tau > 1.3
 
+    # Validation along the decoding walk takes, row by row, exactly the steps dflash decoding takes
+    # on the held-out prompts (their responses are the target's greedy answers), and the trainer's
+    # last validation reported that walk's tau.
+    model = nnx.merge(target.graphdef, target.state)
+    tokens, mask = jnp.asarray(val.tokens), jnp.asarray(val.loss_mask)
+    obj = Objective(block_size=BLOCK, num_anchors=8, gamma=7.0, mask_token_id=drafter.config.mask_token_id)
+    run, valid = walk_runs(trained.state, loss_vocab(target, None, 0), model.embed_tokens.weight[...],
+                           target_features(model, tokens, drafter.config.target_layer_ids, jnp.float32), tokens,
+                           mask, drafter_def=trained.graphdef, obj=obj, window=40, matmul_dtype="float32")
+    committed = steps = 0  # the walk counts tokens within the budget (the engine's last step may run over)
+    for i in range(len(val)):
+        start, length = int(np.argmax(val.loss_mask[i])), int(val.loss_mask[i].sum())
+        st = engine.generate([[int(t) for t in val.tokens[i, :start]]], max_new_tokens=length, mode="dflash").stats
+        assert walk(np.asarray(run[i:i + 1]), np.asarray(valid[i:i + 1])) == (st.new_tokens - 1, st.steps)
+        committed, steps = committed + st.new_tokens - 1, steps + st.steps
+    assert steps < committed - len(val)  # drafts were accepted: the walks are not all single steps
+    assert val_rows[-1]["walk_tau"] == pytest.approx(committed / steps)
+
 
 def test_learning_rate_follows_the_dflash_schedule():
     """The injected rate equals optax's warm-up + cosine schedule (to 10%) at every step, and a
     wall-time progress past the step count moves it on."""
     import optax
 
-    from bastion_jax.training.trainer import learning_rate
+    from bastion_jax.training.optim import learning_rate
 
     cfg = TrainConfig(steps=200, lr=6e-4, warmup_ratio=0.04)
     ref = optax.warmup_cosine_decay_schedule(0.0, 6e-4, 8, 200, 6e-5)

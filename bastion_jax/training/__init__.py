@@ -6,12 +6,14 @@ from bastion_jax.training.features import FeatureStore
 from bastion_jax.training.forward import drafter_blocks, matmul, target_features, teacher_logits
 from bastion_jax.training.objective import (Blocks, Metrics, Objective, block_loss, default_gamma, make_blocks,
                                             restrict_vocab, sample_anchors)
-from bastion_jax.training.trainer import Trainer, TrainConfig, blocks_forward, optimizer, train_step
+from bastion_jax.training.optim import TrainConfig, optimizer
+from bastion_jax.training.trainer import Trainer, blocks_forward, train_step
 from bastion_jax.training.vocab import LossVocab, VocabError, load_ranking, loss_vocab, rank_vocab, save_ranking
+from bastion_jax.training.walk import walk, walk_runs, window_anchors
 from bastion_jax.training.warmstart import grow, init_from_target
 
 __all__ = ["Blocks", "DataError", "FeatureStore", "LossVocab", "Metrics", "Objective", "TokenDataset", "TrainConfig",
            "Trainer", "VocabError", "batch_indices", "block_loss", "blocks_forward", "check_not_benchmark",
            "default_gamma", "drafter_blocks", "file_prompts", "grow", "init_from_target", "load_ranking", "loss_vocab",
            "make_blocks", "matmul", "optimizer", "rank_vocab", "restrict_vocab", "sample_anchors", "save_ranking",
-           "stdlib_prompts", "target_features", "teacher_logits", "train_step"]
+           "stdlib_prompts", "target_features", "teacher_logits", "train_step", "walk", "walk_runs", "window_anchors"]

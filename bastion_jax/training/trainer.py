@@ -23,7 +23,7 @@ import dataclasses
 import json
 import math
 import time
-from functools import lru_cache, partial
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -39,69 +39,9 @@ from bastion_jax.training.features import FeatureStore, target_fingerprint
 from bastion_jax.training.forward import drafter_blocks, matmul, target_features, teacher_logits
 from bastion_jax.training.objective import (Blocks, Metrics, Objective, block_loss, default_gamma, make_blocks,
                                             restrict_vocab, sample_anchors)
+from bastion_jax.training.optim import TrainConfig, learning_rate, optimizer, set_learning_rate
 from bastion_jax.training.vocab import LossVocab, load_ranking, loss_vocab, rank_vocab, save_ranking
-
-MATMUL_DTYPES = ("float32", "bfloat16")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    steps: int
-    batch_size: int = 8
-    seq_len: int = 512
-    num_anchors: int = 64
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    gamma: float | None = None  # None: DFlash's value for the block size
-    seed: int = 0
-    log_every: int = 10
-    save_every: int = 200
-    eval_every: int = 0  # 0: only at the end
-    draft_vocab: int = 0  # loss over the N most frequent tokens of the ranking (0: the full vocabulary)
-    matmul_dtype: str = "float32"  # "bfloat16": dense-layer products in bf16, accumulated in float32
-    cache_features: bool = True  # keep target features under workdir/features (computed once per sequence)
-    distill: float = 0.0  # weight of the target's soft labels in the loss (`Objective.distill`)
-
-    def __post_init__(self):
-        if self.steps < 1 or self.batch_size < 1:
-            raise ValueError("steps and batch_size must be >= 1")
-        if not 1 <= self.num_anchors < self.seq_len:
-            raise ValueError(f"num_anchors must be in [1, seq_len), got {self.num_anchors} for seq_len {self.seq_len}")
-        if self.draft_vocab < 0:
-            raise ValueError(f"draft_vocab must be >= 0 (0 = the full vocabulary), got {self.draft_vocab}")
-        if not 0.0 <= self.distill <= 1.0:
-            raise ValueError(f"distill must be in [0, 1], got {self.distill}")
-        if self.matmul_dtype not in MATMUL_DTYPES:
-            raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
-
-
-@lru_cache(maxsize=8)  # built once per config, evaluated every step
-def schedule(cfg: TrainConfig) -> optax.Schedule:
-    """The DFlash schedule over `cfg.steps`: linear warm-up over `warmup_ratio`, cosine decay to 10%."""
-    warmup = max(1, int(round(cfg.warmup_ratio * cfg.steps)))
-    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), cfg.lr * 0.1)
-
-
-def learning_rate(cfg: TrainConfig, progress: float) -> float:
-    """`schedule` at `progress` in [0, 1] of the run. Progress is steps done / `steps`, or, for a run
-    with a wall-time limit, the larger of that and the time used, so a run cut by time still anneals."""
-    return float(schedule(cfg)(min(max(progress, 0.0), 1.0) * cfg.steps))
-
-
-def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW (global-norm clipping first) whose learning rate is a state input the loop sets each
-    step from `learning_rate`: the schedule can follow wall time as well as steps."""
-    adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, b1=0.9, b2=0.95,
-                                                  weight_decay=cfg.weight_decay)
-    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
-
-
-def set_learning_rate(opt_state, lr: float):
-    """`opt_state` (of `optimizer`) with its injected learning rate set to `lr`."""
-    clip, adamw = opt_state
-    return clip, adamw._replace(hyperparams={**adamw.hyperparams, "learning_rate": jnp.asarray(lr, jnp.float32)})
+from bastion_jax.training.walk import rows_per_call, walk, walk_runs
 
 
 def blocks_forward(drafter, embed: jax.Array, features: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
@@ -178,7 +118,8 @@ class Trainer:
     (made from the first run's training responses, unless `ranking` is given, and kept on resume);
     `workdir/features` the cached target features (rows already computed under `reuse_features`,
     other runs' `features/` directories, are copied instead of recomputed); `workdir/best.json` the
-    best validation result so far (teacher-forced accept length), kept across resumes. `on_best`,
+    best validation result so far (the decoding-walk tau, `walk.py`; the teacher-forced accept length
+    with `walk_rows=0`), kept across resumes. `on_best`,
     when given, is called with the parameters each time validation beats it (to export them: the
     last step is not always the best one).
     """
@@ -277,7 +218,25 @@ class Trainer:
             idx = next(it)
             ms.append(eval_step(params, self.vocab, self.embed, store.get(idx), jnp.asarray(data.tokens[idx]),
                                 jnp.asarray(data.loss_mask[idx]), jax.random.fold_in(key, i), **self.static))
-        return _mean(ms)
+        ev = _mean(ms)
+        if self.cfg.walk_rows:
+            ev["walk_tau"] = self.walk_tau(params, data, store)
+        return ev
+
+    def walk_tau(self, params, data: TokenDataset, store: FeatureStore) -> float:
+        """Chain tau of greedy decoding walked over the first `walk_window` response positions of the
+        first `walk_rows` rows of `data` (`walk.py`): what the engine's dflash mode would measure on
+        those prompts when the rows are the target's greedy answers."""
+        rows = min(self.cfg.walk_rows, len(data))
+        chunk = rows_per_call(self.cfg.walk_window, self.obj.block_size, int(self.vocab.head.shape[0]))
+        tokens = steps = 0
+        for lo in range(0, rows, chunk):
+            idx = np.arange(lo, min(rows, lo + chunk))
+            run, valid = walk_runs(params, self.vocab, self.embed, store.get(idx), jnp.asarray(data.tokens[idx]),
+                                   jnp.asarray(data.loss_mask[idx]), window=self.cfg.walk_window, **self.static)
+            t, n = walk(np.asarray(run), np.asarray(valid))
+            tokens, steps = tokens + t, steps + n
+        return tokens / max(steps, 1)
 
     def best(self) -> dict[str, float] | None:
         """The best validation result so far (with its step), or None before the first evaluation."""
@@ -286,7 +245,9 @@ class Trainer:
 
     def _note_validation(self, params, ev: dict[str, float]) -> None:
         best = self.best()
-        if best is not None and ev["accept_len"] <= best["accept_len"]:
+        # The walk's tau where both have it (runs begun before it compare teacher-forced figures).
+        key = "walk_tau" if "walk_tau" in ev and (best is None or "walk_tau" in best) else "accept_len"
+        if best is not None and ev[key] <= best[key]:
             return
         if self.on_best is not None:
             self.on_best(params, ev)
@@ -369,7 +330,8 @@ class Trainer:
                 with open(log_path, "a") as f:
                     f.write(json.dumps({"split": "val", **ev}) + "\n")
                 self.log(f"step {step}: val loss {ev['loss']:.3f} | first-token acc {ev['acc_first']:.3f} | "
-                         f"teacher-forced tau {ev['accept_len']:.2f}")
+                         f"teacher-forced tau {ev['accept_len']:.2f}"
+                         + (f" | decoding-walk tau {ev['walk_tau']:.3f}" if "walk_tau" in ev else ""))
                 self._note_validation(params, ev)
             if step % self.cfg.save_every == 0 or last:
                 self._save(mngr, step, params, opt_state)

@@ -1,0 +1,78 @@
+"""What a drafter training run is (`TrainConfig`) and its optimiser: AdamW with the DFlash schedule,
+whose learning rate the loop sets each step so that a run cut by wall time still anneals."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+
+import jax.numpy as jnp
+import optax
+
+MATMUL_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int
+    batch_size: int = 8
+    seq_len: int = 512
+    num_anchors: int = 64
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    gamma: float | None = None  # None: DFlash's value for the block size
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 200
+    eval_every: int = 0  # 0: only at the end
+    draft_vocab: int = 0  # loss over the N most frequent tokens of the ranking (0: the full vocabulary)
+    matmul_dtype: str = "float32"  # "bfloat16": dense-layer products in bf16, accumulated in float32
+    cache_features: bool = True  # keep target features under workdir/features (computed once per sequence)
+    distill: float = 0.0  # weight of the target's soft labels in the loss (`Objective.distill`)
+    # Validation walks the first `walk_window` response positions of `walk_rows` held-out rows the way
+    # decoding does (`walk.py`): the tau that selects the best step (0 rows: the teacher-forced tau).
+    walk_rows: int = 32
+    walk_window: int = 96
+
+    def __post_init__(self):
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError("steps and batch_size must be >= 1")
+        if not 1 <= self.num_anchors < self.seq_len:
+            raise ValueError(f"num_anchors must be in [1, seq_len), got {self.num_anchors} for seq_len {self.seq_len}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be >= 0 (0 = the full vocabulary), got {self.draft_vocab}")
+        if not 0.0 <= self.distill <= 1.0:
+            raise ValueError(f"distill must be in [0, 1], got {self.distill}")
+        if self.walk_rows < 0 or self.walk_window < 1:
+            raise ValueError(f"walk_rows must be >= 0 and walk_window >= 1, got {self.walk_rows}, {self.walk_window}")
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
+
+
+@lru_cache(maxsize=8)  # built once per config, evaluated every step
+def schedule(cfg: TrainConfig) -> optax.Schedule:
+    """The DFlash schedule over `cfg.steps`: linear warm-up over `warmup_ratio`, cosine decay to 10%."""
+    warmup = max(1, int(round(cfg.warmup_ratio * cfg.steps)))
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), cfg.lr * 0.1)
+
+
+def learning_rate(cfg: TrainConfig, progress: float) -> float:
+    """`schedule` at `progress` in [0, 1] of the run. Progress is steps done / `steps`, or, for a run
+    with a wall-time limit, the larger of that and the time used, so a run cut by time still anneals."""
+    return float(schedule(cfg)(min(max(progress, 0.0), 1.0) * cfg.steps))
+
+
+def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW (global-norm clipping first) whose learning rate is a state input the loop sets each
+    step from `learning_rate`: the schedule can follow wall time as well as steps."""
+    adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, b1=0.9, b2=0.95,
+                                                  weight_decay=cfg.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+
+
+def set_learning_rate(opt_state, lr: float):
+    """`opt_state` (of `optimizer`) with its injected learning rate set to `lr`."""
+    clip, adamw = opt_state
+    return clip, adamw._replace(hyperparams={**adamw.hyperparams, "learning_rate": jnp.asarray(lr, jnp.float32)})
