@@ -25,6 +25,12 @@ from benchmarks.report import commit, markdown_table, per_set, plot, write_csv
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def median_run(results: list):
+    """The run of median wall time (engine time after compilation) among repeats of one mode on one prompt."""
+    ordered = sorted(results, key=lambda r: r.stats.ttft_s + r.stats.decode_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
                    "ar always runs: it is the reference for identity and ratios")
     p.add_argument("--block-size", type=int, help="block size of a --drafter random (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=1, help="rounds of every mode per prompt (rotated order); each "
+                   "mode keeps its median-time run: a 2-core CPU drifts 10-20%% within a minute, so single "
+                   "runs make noisy ratios (default 1)")
     p.add_argument("--buckets", default="1,4,8,16,32,64")
     p.add_argument("--fixed", default="4,16,64", help="fixed:N sweep sizes (must be buckets)")
     p.add_argument("--draft-vocab", default="auto", help="drafter LM head over the N most frequent tokens: auto, "
@@ -52,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-calibrate", action="store_true")
     p.add_argument("--out-dir", default=str(RESULTS), help="where to write <name>.json/.md (default benchmarks/results)")
     args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error(f"--reps must be >= 1, got {args.reps}")
     use_compilation_cache()
 
     import jax
@@ -110,8 +121,14 @@ def main(argv: list[str] | None = None) -> int:
         # Modes run in a rotated order per prompt (prompt i starts with mode i mod M), so no mode is
         # always the first or the last one after another mode's run; rows are reported in mode order.
         order = modes[i % len(modes):] + modes[: i % len(modes)]
-        results = {m: engine.generate([prompt], max_new_tokens=args.max_new_tokens, mode=m, max_len=cache_len)
-                   for m in order}
+        runs: dict[str, list] = {m: [] for m in modes}
+        for _ in range(args.reps):
+            for m in order:
+                runs[m].append(engine.generate([prompt], max_new_tokens=args.max_new_tokens, mode=m, max_len=cache_len))
+        for m, rs in runs.items():
+            if any(r.tokens != rs[0].tokens for r in rs):
+                raise SystemExit(f"error: {m} gave different tokens on repeated runs of one prompt at T=0")
+        results = {m: median_run(rs) for m, rs in runs.items()}
         ar_tokens, ar_tps = results["ar"].tokens[0], results["ar"].stats.tokens_per_s
         for mode in modes:
             res = results[mode]
@@ -146,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": device, "date": datetime.date.today().isoformat(), "target": str(target_path),
             "drafter": args.drafter, "dtype": target.dtype.name, "max_new_tokens": args.max_new_tokens,
             "buckets": list(buckets), "prompt_files": [Path(f).name for f in args.prompts],
-            "prompts": len(prompts), "lookup": args.lookup, "commit": commit()}
+            "prompts": len(prompts), "lookup": args.lookup, "reps": args.reps, "commit": commit()}
     training = Path(args.drafter) / "training.json"
     if training.is_file():  # how the drafter was trained travels with its numbers
         meta["drafter_training"] = json.loads(training.read_text())
@@ -155,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "overall": overall, "tau_by_source": by_source,
                                                                 "rows": rows}, indent=2))
     lines = [f"# {args.name}", "", f"{meta['device']}, {meta['date']}, {meta['dtype']}, drafter {args.drafter}, "
-             f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, T=0, context lookup {args.lookup}", "",
+             f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, T=0, context lookup {args.lookup}"
+             + (f", median-time run of {args.reps} per mode and prompt" if args.reps > 1 else ""), "",
              "| mode | tau | tokens/s | ratio to AR | identical to AR | buckets |", "|---|---|---|---|---|---|"]
     for m, o in overall.items():
         hist = " ".join(f"{b}:{n}" for b, n in sorted(o["buckets"].items()))

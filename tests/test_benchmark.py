@@ -15,12 +15,12 @@ def test_harness_writes_results_and_all_modes_match_ar(tmp_path):
     with gzip.open(prompts, "wt") as f:
         f.write(json.dumps({"question": "w5 w6 w7"}) + "\n" + json.dumps({"turns": ["w9 w10", "w11"]}) + "\n")
     rc = run.main(["--prompts", str(prompts), "--target", str(tmp_path / "ckpt"), "--block-size", "4",
-                   "--buckets", "1,4,8", "--fixed", "4,8", "--max-new-tokens", "12", "--name", "tiny",
+                   "--buckets", "1,4,8", "--fixed", "4,8", "--max-new-tokens", "12", "--reps", "2", "--name", "tiny",
                    "--out-dir", str(tmp_path / "out"), "--dtype", "float32"])
     assert rc == 0
     data = json.loads((tmp_path / "out" / "tiny.json").read_text())
     assert set(data["overall"]) == {"ar", "dflash", "fixed:4", "fixed:8", "bastion"}
-    assert data["meta"]["prompts"] == 2 and data["meta"]["device"]
+    assert data["meta"]["prompts"] == 2 and data["meta"]["device"] and data["meta"]["reps"] == 2
     assert all(r["identical_to_ar"] for r in data["rows"])
     assert all(r["compilations_after_warmup"] == 0 for r in data["rows"])
     assert data["overall"]["ar"]["ratio_to_ar"] == 1.0
@@ -32,6 +32,18 @@ def test_harness_writes_results_and_all_modes_match_ar(tmp_path):
     csv_rows = (tmp_path / "out" / "tiny.csv").read_text().splitlines()
     assert csv_rows[0] == "set,mode,tokens_per_s,tau,ratio_to_ar" and len(csv_rows) == 1 + 5
     assert (tmp_path / "out" / "tiny.png").stat().st_size > 1000 and data["meta"]["commit"]
+
+
+def test_median_run_keeps_the_run_of_median_time():
+    from types import SimpleNamespace
+
+    def result(ttft, decode, tag):
+        return SimpleNamespace(stats=SimpleNamespace(ttft_s=ttft, decode_s=decode), tag=tag)
+
+    runs = [result(0.1, 2.9, "slow"), result(0.1, 0.9, "fast"), result(0.2, 1.8, "median")]
+    assert run.median_run(runs).tag == "median"
+    assert run.median_run(runs[:2]).tag == "fast"  # an even count keeps the faster middle run
+    assert run.median_run(runs[:1]).tag == "slow"
 
 
 def test_results_name_a_dirty_checkout(monkeypatch):
