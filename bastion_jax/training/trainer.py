@@ -230,11 +230,13 @@ class Trainer:
         rows = min(self.cfg.walk_rows, len(data))
         chunk = rows_per_call(self.cfg.walk_window, self.obj.block_size, int(self.vocab.head.shape[0]))
         tokens = steps = 0
+        chunk = min(chunk, rows)
         for lo in range(0, rows, chunk):
-            idx = np.arange(lo, min(rows, lo + chunk))
+            idx = np.minimum(np.arange(lo, lo + chunk), rows - 1)  # the last call padded: one compiled shape
             run, valid = walk_runs(params, self.vocab, self.embed, store.get(idx), jnp.asarray(data.tokens[idx]),
                                    jnp.asarray(data.loss_mask[idx]), window=self.cfg.walk_window, **self.static)
-            t, n = walk(np.asarray(run), np.asarray(valid))
+            real = min(chunk, rows - lo)
+            t, n = walk(np.asarray(run)[:real], np.asarray(valid)[:real])
             tokens, steps = tokens + t, steps + n
         return tokens / max(steps, 1)
 
