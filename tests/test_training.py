@@ -124,7 +124,7 @@ def toy_data(pair):
     return [{"prompt_ids": [int(t) for t in p], "response_ids": o} for p, o in zip(prompts, out)]
 
 
-def test_toy_training_learns_resumes_and_exports(pair, toy_data, tmp_path):
+def test_toy_training_learns_resumes_and_exports(pair, toy_data, tmp_path, monkeypatch):
     target, drafter = pair
     data = TokenDataset(toy_data, seq_len=32, vocab_size=target.config.vocab_size)
     train, val = data.split(4)
@@ -138,8 +138,8 @@ def test_toy_training_learns_resumes_and_exports(pair, toy_data, tmp_path):
 
     Trainer(target, drafter, dataclasses_replace(cfg, steps=30), tmp_path, log=logs.append,
             on_best=on_best).fit(train, val, progress=False)
-    trained = Trainer(target, drafter, cfg, tmp_path, log=logs.append, on_best=on_best).fit(train, val,
-                                                                                            progress=False)
+    trainer = Trainer(target, drafter, cfg, tmp_path, log=logs.append, on_best=on_best)
+    trained = trainer.fit(train, val, progress=False)
     assert any("resumed" in m and "step 30" in m for m in logs)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if r["split"] == "train"]
@@ -187,6 +187,9 @@ def test_toy_training_learns_resumes_and_exports(pair, toy_data, tmp_path):
         committed, steps = committed + st.new_tokens - 1, steps + st.steps
     assert steps < committed - len(val)  # drafts were accepted: the walks are not all single steps
     assert val_rows[-1]["walk_tau"] == pytest.approx(committed / steps)
+    # In calls of 3 rows (the last one padded with a repeated row), the same walks.
+    monkeypatch.setattr("bastion_jax.training.trainer.rows_per_call", lambda *a: 3)
+    assert trainer.walk_tau(trained.state, val, trainer.feature_store(val, "val")) == pytest.approx(committed / steps)
 
 
 def test_learning_rate_follows_the_dflash_schedule():
