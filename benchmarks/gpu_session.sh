@@ -30,6 +30,9 @@
 #   3. carry the last piece: `bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS`, SECONDS
 #      about 60 under the lease's budget_left_s (status) with DATA_S=0 (the batch-128 data job has
 #      never finished a batch inside a lease); the fourth lease's 174 s of training gave drafter v12.
+#      Its validation now walks 32 held-out rows as greedy decoding does and picks best/ by that tau
+#      (`walk_tau` in ret/*-best.json): v12 reads 1.834 on the same rows (c9's last 128, first 32
+#      walked; its teacher-forced figure there is 2.94). Ship a run's best/ only above that.
 #
 # Nothing is installed: the machine's image has JAX (CUDA), Flax, Optax, Orbax, safetensors and
 # tokenizers, and random-weight runs need nothing else (gguf is imported only to read a GGUF). The
