@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from bastion_jax.modeling.cache import KVCache, causal_mask
 from bastion_jax.modeling.layers import ACTIVATIONS, apply_rope, rope_cos_sin, rope_inv_freq
+from bastion_jax.training.objective import Blocks, Objective, make_blocks
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -135,3 +136,15 @@ def teacher_logits(final: jax.Array, positions: jax.Array, head: jax.Array, dtyp
     prev = jnp.minimum(positions[:, :, :-1], s - 1).reshape(b, n * (blk - 1))  # [b, N*(B-1)]
     out = jnp.take_along_axis(logits, prev[:, :, None], axis=1)  # [b, N*(B-1), n_vocab]
     return jax.lax.stop_gradient(out.reshape(b, n, blk - 1, -1))
+
+
+def anchored_forward(drafter, embed: jax.Array, features: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
+                     anchors: jax.Array, valid: jax.Array, obj: Objective, matmul_dtype: str = "float32"
+                     ) -> tuple[jax.Array, Blocks]:
+    """Hidden states [b, N, B-1, h] of slots 1..B-1 of the blocks at anchors [b, N] (valid [b, N]), and
+    the blocks. embed: [V, h] the target's embedding table; features: [b, S, F] the rows' drafter taps."""
+    blocks = make_blocks(tokens, loss_mask, anchors, valid, obj)
+    emb = jnp.take(embed, blocks.ids, axis=0)  # [b, N, B, h]
+    hidden = drafter_blocks(drafter, emb, blocks.positions, anchors, valid, features.astype(jnp.float32),
+                            jnp.dtype(matmul_dtype))
+    return hidden[:, :, 1:], blocks  # slot 0 is the anchor itself: untrained

@@ -110,6 +110,17 @@ class Metrics(NamedTuple):
     positions: jax.Array  # block positions that carry a loss (nonzero weight): the throughput unit
 
 
+def top1_correct(logits: jax.Array, blocks: Blocks) -> jax.Array:
+    """[b, N, B-1] whether each slot's top-1 draft is its label and a response token (logits [b, N, B-1,
+    vocab] over the rows the labels index; labels past the response or outside the vocabulary miss)."""
+    return (jnp.argmax(logits, axis=-1) == blocks.labels) & blocks.real
+
+
+def leading_run(correct: jax.Array) -> jax.Array:
+    """[b, N] int32: leading correct drafts per block, what verification would accept of its chain."""
+    return jnp.sum(jnp.cumprod(correct.astype(jnp.int32), axis=-1), axis=-1)
+
+
 def block_loss(logits: jax.Array, blocks: Blocks, teacher: jax.Array | None = None, distill: float = 0.0) -> Metrics:
     """logits: [b, N, B-1, vocab] fp32 for slots 1..B-1 (vocab: the loss vocabulary's rows); teacher:
     the target's logits for the same slots over the same rows (soft labels, weight `distill`)."""
@@ -120,9 +131,9 @@ def block_loss(logits: jax.Array, blocks: Blocks, teacher: jax.Array | None = No
         ce = (1.0 - distill) * ce + distill * soft
     total = jnp.sum(blocks.weights)
     loss = jnp.sum(ce * blocks.weights) / jnp.maximum(total, 1e-6)
-    correct = (jnp.argmax(logits, axis=-1) == blocks.labels) & blocks.real  # [b, N, B-1]
+    correct = top1_correct(logits, blocks)  # [b, N, B-1]
     first_real = blocks.real[..., 0]
     acc_first = jnp.sum(correct[..., 0]) / jnp.maximum(jnp.sum(first_real), 1)
-    run = jnp.sum(jnp.cumprod(correct.astype(jnp.int32), axis=-1), axis=-1)  # [b, N]
+    run = leading_run(correct)  # [b, N]
     accept_len = jnp.sum(jnp.where(first_real, 1 + run, 0)) / jnp.maximum(jnp.sum(first_real), 1)
     return Metrics(loss, acc_first, accept_len, total, jnp.sum(blocks.weights > 0))

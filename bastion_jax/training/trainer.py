@@ -36,9 +36,9 @@ from flax import nnx
 from bastion_jax.checkpoints import LoadedDrafter, Target
 from bastion_jax.training.data import TokenDataset, batch_indices
 from bastion_jax.training.features import FeatureStore, target_fingerprint
-from bastion_jax.training.forward import drafter_blocks, matmul, target_features, teacher_logits
-from bastion_jax.training.objective import (Blocks, Metrics, Objective, block_loss, default_gamma, make_blocks,
-                                            restrict_vocab, sample_anchors)
+from bastion_jax.training.forward import anchored_forward, matmul, target_features, teacher_logits
+from bastion_jax.training.objective import (Blocks, Metrics, Objective, block_loss, default_gamma, restrict_vocab,
+                                            sample_anchors)
 from bastion_jax.training.optim import TrainConfig, learning_rate, optimizer, set_learning_rate
 from bastion_jax.training.vocab import LossVocab, load_ranking, loss_vocab, rank_vocab, save_ranking
 from bastion_jax.training.walk import rows_per_call, walk, walk_runs
@@ -50,11 +50,7 @@ def blocks_forward(drafter, embed: jax.Array, features: jax.Array, tokens: jax.A
 
     embed: [V, h] the target's embedding table; features: [b, S, F] the rows' target taps."""
     anchors, valid = sample_anchors(key, loss_mask, obj.num_anchors)  # [b, N]
-    blocks = make_blocks(tokens, loss_mask, anchors, valid, obj)
-    emb = jnp.take(embed, blocks.ids, axis=0)  # [b, N, B, h]
-    hidden = drafter_blocks(drafter, emb, blocks.positions, anchors, valid, features.astype(jnp.float32),
-                            jnp.dtype(matmul_dtype))
-    return hidden[:, :, 1:], blocks  # slot 0 is the anchor itself: untrained
+    return anchored_forward(drafter, embed, features, tokens, loss_mask, anchors, valid, obj, matmul_dtype)
 
 
 def _loss(params, drafter_def, vocab: LossVocab, embed, features, tokens, loss_mask, key, obj, matmul_dtype):
@@ -228,9 +224,8 @@ class Trainer:
         first `walk_rows` rows of `data` (`walk.py`): what the engine's dflash mode would measure on
         those prompts when the rows are the target's greedy answers."""
         rows = min(self.cfg.walk_rows, len(data))
-        chunk = rows_per_call(self.cfg.walk_window, self.obj.block_size, int(self.vocab.head.shape[0]))
+        chunk = min(rows, rows_per_call(self.cfg.walk_window, self.obj.block_size, int(self.vocab.head.shape[0])))
         tokens = steps = 0
-        chunk = min(chunk, rows)
         for lo in range(0, rows, chunk):
             idx = np.minimum(np.arange(lo, lo + chunk), rows - 1)  # the last call padded: one compiled shape
             run, valid = walk_runs(params, self.vocab, self.embed, store.get(idx), jnp.asarray(data.tokens[idx]),

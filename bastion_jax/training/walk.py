@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bastion_jax.training.forward import drafter_blocks, matmul
-from bastion_jax.training.objective import Blocks, Objective, make_blocks, restrict_vocab
+from bastion_jax.training.forward import anchored_forward, matmul
+from bastion_jax.training.objective import Objective, leading_run, restrict_vocab, top1_correct
 from bastion_jax.training.vocab import LossVocab
 
 
@@ -40,13 +40,6 @@ def window_anchors(loss_mask: jax.Array, window: int) -> tuple[jax.Array, jax.Ar
     return jnp.where(valid, anchors, 0).astype(jnp.int32), valid
 
 
-def block_runs(logits: jax.Array, blocks: Blocks) -> jax.Array:
-    """Leading correct top-1 drafts per block [b, N] (int32): logits [b, N, B-1, vocab] against the
-    blocks' labels (rows of the same vocabulary; labels past the response or outside it are misses)."""
-    correct = (jnp.argmax(logits, axis=-1) == blocks.labels) & blocks.real  # [b, N, B-1]
-    return jnp.sum(jnp.cumprod(correct.astype(jnp.int32), axis=-1), axis=-1)
-
-
 @partial(jax.jit, static_argnames=("drafter_def", "obj", "window", "matmul_dtype"))
 def walk_runs(params, vocab: LossVocab, embed: jax.Array, features: jax.Array, tokens: jax.Array,
               loss_mask: jax.Array, *, drafter_def, obj: Objective, window: int, matmul_dtype: str
@@ -58,12 +51,10 @@ def walk_runs(params, vocab: LossVocab, embed: jax.Array, features: jax.Array, t
     if obj.distill:
         features = features[..., :-embed.shape[-1]]
     anchors, valid = window_anchors(loss_mask, window)
-    blocks = restrict_vocab(make_blocks(tokens, loss_mask, anchors, valid, obj), vocab.index)
-    emb = jnp.take(embed, blocks.ids, axis=0)  # [b, W, B, h]
-    hidden = drafter_blocks(drafter, emb, blocks.positions, anchors, valid, features.astype(jnp.float32),
-                            jnp.dtype(matmul_dtype))[:, :, 1:]  # [b, W, B-1, h]
+    hidden, blocks = anchored_forward(drafter, embed, features, tokens, loss_mask, anchors, valid, obj,
+                                      matmul_dtype)  # [b, W, B-1, h]
     logits = matmul(hidden, vocab.head, jnp.dtype(matmul_dtype))  # [b, W, B-1, n_vocab]
-    return block_runs(logits, blocks), valid
+    return leading_run(top1_correct(logits, restrict_vocab(blocks, vocab.index))), valid
 
 
 def walk(run: np.ndarray, valid: np.ndarray) -> tuple[int, int]:
