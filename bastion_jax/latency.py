@@ -33,8 +33,9 @@ DEVICE_PEAKS = {
 
 # Bump when the compiled steps' costs change (attention, fusion, compaction...): a calibration
 # measured on older steps would misprice the new ones, so it is part of the calibration key.
-STEPS_VERSION = 5  # 2: attention over the live context only (issue 14); 3: two-pass greedy argmax;
-# 4: trees read the top min(top_k, nodes - 1) tokens per depth; 5: bf16 on CPU on XLA:CPU's bf16 kernels
+STEPS_VERSION = 6  # 2: attention over the live context only (issue 14); 3: two-pass greedy argmax;
+# 4: trees read the top min(top_k, nodes - 1) tokens per depth; 5: bf16 on CPU on XLA:CPU's bf16 kernels;
+# 6: a draft projects only the new context rows it needs (4, 8, 16 or 32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,7 +126,7 @@ def _then(cfg: StepConfig, then: int, target, drafter, state: TreeState, pending
         raise ValueError(f"then must be HOLD (0), DRAFT (1) or FLUSH (2), got {then!r}")
     dcache = state.drafter_cache
     if drafter is not None:
-        dcache = drafter.inject(pending, ctx_start, dcache, target.embed_tokens.weight.dtype, active)
+        dcache = drafter.inject(pending, ctx_start, pending_len, dcache, target.embed_tokens.weight.dtype, active)
     return dcache, held_tree(root, state.tree, chain), no_curve, jnp.zeros_like(pending_len)
 
 

@@ -103,7 +103,8 @@ def test_drafter_context_equals_injecting_every_committed_token(pair):
     feats = model(jnp.asarray([seq]), jnp.arange(length)[None], cache, zero, causal_mask(zero.shape[0], length),
                   tap_layers=taps).taps  # [1, length, F]
     d = nnx.merge(drafter.graphdef, drafter.state)
-    ref = d.inject(feats, zero, KVCache.create(drafter.config, 1, 128, target.dtype), target.dtype)
+    ref = d.inject(feats, zero, jnp.asarray([length], jnp.int32), KVCache.create(drafter.config, 1, 128, target.dtype),
+                   target.dtype)
     ctx = length - pend
     for got_kv, want_kv in ((state.drafter_cache.k, ref.k), (state.drafter_cache.v, ref.v)):  # [layers, b, slots, ...]
         np.testing.assert_allclose(np.asarray(got_kv)[:, 0, :ctx], np.asarray(want_kv)[:, 0, :ctx], atol=1e-5)

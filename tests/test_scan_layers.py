@@ -211,7 +211,8 @@ def test_scanned_drafter_equals_unrolled(drafters, cached):
         model = nnx.merge(d.graphdef, d.state)
         cache = KVCache.create(cfg, b, 32, jnp.float32)
         if cached:  # something already in the cache for the call to read
-            cache = model.inject(feats[:, ::-1], jnp.zeros(b, jnp.int32), cache, jnp.float32)
+            cache = model.inject(feats[:, ::-1], jnp.zeros(b, jnp.int32), jnp.full(b, c, jnp.int32), cache,
+                                     jnp.float32)
         h, cache = model(emb, feats, start, lens, cache)
         pos = jnp.broadcast_to(jnp.arange(c, c + blk)[None], (b, blk))
         mask = jnp.ones((b, blk, c + blk), bool)

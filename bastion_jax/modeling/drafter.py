@@ -14,6 +14,8 @@ this very call, merged exactly (`attention.attend_split`).
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,6 +24,10 @@ from bastion_jax.dflash_config import DrafterConfig
 from bastion_jax.modeling.cache import KVCache
 from bastion_jax.modeling.attention import attend, attend_split
 from bastion_jax.modeling.layers import MLP, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+
+# The fewest new context rows a drafting call projects; more in sizes that double up to the buffer
+# (`Drafter.new_context_kv`).
+INJECT_FIRST_ROWS = 4
 
 
 class DrafterAttention(nnx.Module):
@@ -110,12 +116,11 @@ class Drafter(nnx.Module):
         inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim)
         dtype = block_emb.dtype
         rope_blk = rope_cos_sin(inv_freq, s[:, None] + jnp.arange(block)[None], dtype)
-        rope_ctx = rope_cos_sin(inv_freq, ctx_start[:, None] + jnp.arange(c)[None], dtype)
-        x_ctx = self.project(ctx_features.astype(dtype))  # [b, C, h]
         new_visible = jnp.arange(c)[None, :] < ctx_len[:, None]  # [b, C]: the real new context rows
         mask = jnp.concatenate([jnp.broadcast_to(new_visible[:, None, :], (b, block, c)),
                                 jnp.ones((b, block, block), bool)], axis=-1)  # [b, B, C + B]
-        k_all, v_all = self.context_kv(x_ctx, rope_ctx)  # [layers, b, C, kv_heads, d]
+        # [layers, b, C, kv_heads, d]; a prompt's pass computes every row (its C is the prompt's bucket)
+        k_all, v_all = self.new_context_kv(ctx_features, ctx_start, None if empty else ctx_len, dtype)
         cache = cache.write_all(k_all, v_all, ctx_start, active)  # every layer before any layer reads
         read_len = None if empty else ctx_start  # cache slots < ctx_start
 
@@ -124,16 +129,44 @@ class Drafter(nnx.Module):
 
         return self.norm(self._over_layers(run, block_emb, k_all, v_all)), cache
 
-    def inject(self, ctx_features: jax.Array, ctx_start: jax.Array, cache: KVCache, dtype: jnp.dtype,
-               active: jax.Array | None = None) -> KVCache:
-        """Write context K/V for `ctx_features` [b, C, n_taps*h] at positions ctx_start + i, without
-        drafting a block: exactly what `__call__` (with block embeddings of `dtype`) does to the
-        cache, for steps that only catch the drafter up."""
-        c = ctx_features.shape[1]
+    def inject(self, ctx_features: jax.Array, ctx_start: jax.Array, ctx_len: jax.Array, cache: KVCache,
+               dtype: jnp.dtype, active: jax.Array | None = None) -> KVCache:
+        """Write context K/V for `ctx_features` [b, C, n_taps*h] (the first ctx_len[b] real) at
+        positions ctx_start + i, without drafting a block: exactly what `__call__` (with block
+        embeddings of `dtype`) does to the cache, for steps that only catch the drafter up."""
+        return cache.write_all(*self.new_context_kv(ctx_features, ctx_start, ctx_len, dtype), ctx_start, active)
+
+    def new_context_kv(self, ctx_features: jax.Array, ctx_start: jax.Array, ctx_len: jax.Array | None,
+                       dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+        """Every layer's K/V [layers, b, C, kv_heads, d] of the new context rows `ctx_features`
+        [b, C, n_taps*h] at positions ctx_start + i, of which only the first ctx_len[b] are real
+        (None: every row is computed, as a prompt's pass does).
+
+        Why: a step's feature buffer is padded to a static C (twice the block) and a step usually
+        injects a few rows (the accepted path + 1); projecting every padded row through `fc` and each
+        layer's k/v was about half of this function's time at C = 32 (SmolLM2, CPU). So only the first
+        n rows are computed, n the smallest of 4, 8, 16, ... C that covers the longest row (a
+        `lax.switch` over the features alone: no cache goes through it; one pass, so the weights are
+        read once), the rest left zero. They are padding either way: masked in this call, never read
+        from the cache before a later call overwrites them (reads stop at the live length)."""
+        b, c, _ = ctx_features.shape
         inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim)
-        rope_ctx = rope_cos_sin(inv_freq, ctx_start[:, None] + jnp.arange(c)[None], dtype)
-        x_ctx = self.project(ctx_features.astype(dtype))  # [b, C, h]
-        return cache.write_all(*self.context_kv(x_ctx, rope_ctx), ctx_start, active)
+
+        def kv(n: int, feats: jax.Array) -> tuple[jax.Array, jax.Array]:
+            rope = rope_cos_sin(inv_freq, ctx_start[:, None] + jnp.arange(n)[None], dtype)
+            k, v = self.context_kv(self.project(feats[:, :n].astype(dtype)), rope)  # [layers, b, n, kv_heads, d]
+            pad = [(0, 0), (0, 0), (0, c - n), (0, 0), (0, 0)]
+            return jnp.pad(k, pad), jnp.pad(v, pad)
+
+        sizes = [INJECT_FIRST_ROWS]
+        while sizes[-1] < c:
+            sizes.append(2 * sizes[-1])
+        sizes = [min(n, c) for n in sizes]
+        if ctx_len is None or len(sizes) == 1:
+            return kv(c, ctx_features)
+        longest = jnp.max(ctx_len)
+        branch = sum((longest > n).astype(jnp.int32) for n in sizes[:-1])  # the first size >= longest
+        return jax.lax.switch(branch, [partial(kv, n) for n in sizes], ctx_features)
 
     def context_kv(self, x_ctx: jax.Array, rope_ctx: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         """Every layer's context K/V from projected features x_ctx [b, C, h]: [layers, b, C, kv_heads, d]
