@@ -124,3 +124,30 @@ def test_a_tree_reads_only_as_many_tokens_per_depth_as_it_has_nodes(n):
         ref = brute_force(lp, n - 1, 12)
         assert node_paths(tree) == [p for _, p in ref]
         np.testing.assert_allclose(np.asarray(tree.log_probs)[1:], [s for s, _ in ref], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_pair_candidates_hold_every_depths_top_m(chain):
+    """One depth's best m children from the pruned (parent, rank) pairs equal those of all m x k pairs:
+    parent scores sorted descending, each row's token scores sorted, and (with a chain) one parent at
+    any rank scoring with unsorted numbers of its own, as `build_tree`'s scan body sees them."""
+    from bastion_jax.tree import _pair_candidates
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        m, k = int(rng.integers(1, 24)), int(rng.integers(1, 12))
+        prev = -np.sort(rng.exponential(size=m)) * rng.uniform(0.1, 3)  # [m] descending
+        off = -np.sort(rng.exponential(size=k)) * rng.uniform(0.1, 3)  # [k] descending
+        scores = prev[:, None] + off[None, :]  # [m, k]
+        if chain:
+            r = int(rng.integers(0, m))
+            scores[r] = prev[r] + rng.normal(size=k) * 2  # the chain's parent: its own, unsorted row
+        want = set(np.argsort(-scores.reshape(-1), kind="stable")[:m].tolist())
+        ci, cj = _pair_candidates(m, k, chain)
+        cand = scores[ci, cj]
+        if chain:  # the chain's row enters whole, as build_tree adds it
+            keep = ci != r
+            ci, cj, cand = (np.concatenate([ci[keep], np.full(k, r)]), np.concatenate([cj[keep], np.arange(k)]),
+                            np.concatenate([cand[keep], scores[r]]))
+        got = set((ci * k + cj)[np.argsort(-cand, kind="stable")[:m]].tolist())
+        assert got == want, (m, k)
