@@ -140,7 +140,7 @@ class Drafter(nnx.Module):
                        dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
         """Every layer's K/V [layers, b, C, kv_heads, d] of the new context rows `ctx_features`
         [b, C, n_taps*h] at positions ctx_start + i, of which only the first ctx_len[b] are real
-        (None: every row is computed, as a prompt's pass does).
+        (None: every row is computed, as a prompt's pass does, and as every call does off XLA:CPU).
 
         Why: a step's feature buffer is padded to a static C (twice the block) and a step usually
         injects a few rows (the accepted path + 1); projecting every padded row through `fc` and each
@@ -162,7 +162,9 @@ class Drafter(nnx.Module):
         while sizes[-1] < c:
             sizes.append(2 * sizes[-1])
         sizes = [min(n, c) for n in sizes]
-        if ctx_len is None or len(sizes) == 1:
+        if ctx_len is None or len(sizes) == 1 or jax.default_backend() != "cpu":
+            # (measured on XLA:CPU; an accelerator reads the weights once either way, and the
+            # switch's branches would only add kernels to compile)
             return kv(c, ctx_features)
         longest = jnp.max(ctx_len)
         branch = sum((longest > n).astype(jnp.int32) for n in sizes[:-1])  # the first size >= longest
