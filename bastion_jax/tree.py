@@ -98,8 +98,9 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
             on_row = jnp.where(has, prev[r] + on_d, neg_inf)  # [k]
             s, idx = keep_best(jnp.concatenate([off, on_row]))
             n_off = ci.shape[0]
-            parent = jnp.where(idx < n_off, ci[jnp.minimum(idx, n_off - 1)], r)
-            rank = jnp.where(idx < n_off, cj[jnp.minimum(idx, n_off - 1)], idx - n_off)
+            pair = jnp.minimum(idx, n_off - 1)  # (read only where idx < n_off: an off-chain pair)
+            parent = jnp.where(idx < n_off, ci[pair], r)
+            rank = jnp.where(idx < n_off, cj[pair], idx - n_off)
         tok = tok_d[rank]
         on = on[parent] & (tok == chain_d) if chain is not None else on
         return (s, on), (s, parent.astype(jnp.int32), tok)

@@ -149,7 +149,7 @@ class Drafter(nnx.Module):
         `lax.switch` over the features alone: no cache goes through it; one pass, so the weights are
         read once), the rest left zero. They are padding either way: masked in this call, never read
         from the cache before a later call overwrites them (reads stop at the live length)."""
-        b, c, _ = ctx_features.shape
+        c = ctx_features.shape[1]
         inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim)
 
         def kv(n: int, feats: jax.Array) -> tuple[jax.Array, jax.Array]:
