@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = jax.default_backend()
     dtype = getattr(jnp, args.dtype)
     tcfg, _ = preset_configs(args.arch, args.layers)
-    tcfg = layer_layout(tcfg)
+    tcfg = layer_layout(tcfg, dtype=dtype)
     target, _ = random_models(tcfg, None, dtype)
     b, n = args.batch, args.steps
     if args.prompt + n + 2 > args.cache_len:

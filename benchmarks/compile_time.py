@@ -48,7 +48,7 @@ def abstract_pair(arch: str, layers: int, dtype, scan: bool = False):
     from bastion_jax.presets import preset_configs
 
     tcfg, dcfg = preset_configs(arch, layers)
-    tcfg = layer_layout(tcfg, scan)
+    tcfg = layer_layout(tcfg, scan, dtype=dtype)
     dcfg = layer_layout(dcfg, tcfg.scan_layers)  # the drafter laid out as the target, as load_drafter does
     t = nnx.eval_shape(lambda: Transformer(tcfg, dtype=dtype, rngs=nnx.Rngs(0)))
     d = nnx.eval_shape(lambda: Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1)))

@@ -11,6 +11,10 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"bastion_jax-tests-xla-cache-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+# On CPU a target's layer weights take the layout this machine multiplies faster, measured once
+# (`checkpoints.layout_probe`). The suite pins one so that every worker and CLI subprocess lays models
+# out alike without measuring; tests that load both layouts name them, and test_layout_probe unpins it.
+os.environ.setdefault("BASTION_WEIGHTS_LAYOUT", "in-out")
 
 import pytest  # noqa: E402
 

@@ -6,6 +6,7 @@ Runtime code and the `checkpoints_convert` CLI both import from here, never the 
 | module | job |
 |---|---|
 | `loaders`  | our format (orbax `params/` + `config.json`), `load_target` / `load_drafter` from any source, random models |
+| `layout_probe` | on CPU, the layout of the target's layer weights this machine multiplies faster (measured once, cached) |
 | `source`   | a checkpoint opened lazily (`Source`: config, tensor names, one tensor at a time) |
 | `hf`       | HF safetensors directories (sharded or not) |
 | `gguf_file`| GGUF files (dequantised, llama.cpp's Q/K permutation undone) |

@@ -109,6 +109,15 @@ def _merge(cfg, dtype: jnp.dtype, params: dict[str, Any]) -> tuple[nnx.GraphDef,
     return graphdef, state
 
 
+def _stored_dtype(hf: dict[str, Any]) -> jnp.dtype | None:
+    """The dtype a converted checkpoint's config.json names (None if it names none it can read:
+    `_restore` then says what is wrong)."""
+    try:
+        return jnp.dtype(hf["bastion_jax"]["dtype"])
+    except (KeyError, TypeError):
+        return None
+
+
 def _restore(path: Path, hf: dict[str, Any], kind: str, cfg, dtype: jnp.dtype | None):
     import orbax.checkpoint as ocp
 
@@ -145,23 +154,32 @@ def default_scan_layers() -> bool:
     return False
 
 
-def default_weights_in_out() -> bool:
-    """The layers' linear weights held [in, out] on CPU only: XLA:CPU multiplies the few rows of a
-    verify step by them ~1.5x faster than by HF's [out, in] (SmolLM2's 30 layers at 4 rows: 14 vs 21
-    ms; a 1-row AR step costs the same either way); GPUs' matmul libraries take either layout."""
-    return jax.default_backend() == "cpu"
+def default_weights_in_out(cfg: TargetConfig | None = None, dtype: jnp.dtype | None = None) -> bool:
+    """The layers' linear weights held [in, out] (True) or HF's [out, in]: GPUs' matmul libraries take
+    either (HF's); on CPU, which one XLA:CPU multiplies a verify step's few rows by faster depends on
+    the machine (10-30% of a tree step either way), so with `cfg` it is measured once per machine
+    (`layout_probe.prefers_in_out`, cached; `$BASTION_WEIGHTS_LAYOUT` pins it); without, [in, out]."""
+    if jax.default_backend() != "cpu":
+        return False
+    if cfg is None:
+        return True
+    from bastion_jax.checkpoints.layout_probe import prefers_in_out
+
+    return prefers_in_out(cfg, dtype)
 
 
 def layer_layout(cfg: TargetConfig | DrafterConfig, scan_layers: bool | None = None,
-                 weights_in_out: bool | None = None):
+                 weights_in_out: bool | None = None, dtype: jnp.dtype | None = None):
     """`cfg` with its layers scanned or unrolled (`scan_layers`, None: `default_scan_layers()`) and, for
     a target, its layers' linear weights [in, out] or HF's [out, in] (`weights_in_out`, None:
-    `default_weights_in_out()`; a drafter's stay [out, in])."""
+    `default_weights_in_out(cfg, dtype)`: `dtype` is the one the target computes in; a drafter's stay
+    [out, in])."""
     scan = default_scan_layers() if scan_layers is None else scan_layers
     if isinstance(cfg, DrafterConfig):
         return dataclasses.replace(cfg, scan_layers=scan)
     return dataclasses.replace(cfg, scan_layers=scan,
-                               weights_in_out=default_weights_in_out() if weights_in_out is None else weights_in_out)
+                               weights_in_out=default_weights_in_out(cfg, dtype) if weights_in_out is None
+                               else weights_in_out)
 
 
 def load_target(path: str | Path, dtype: jnp.dtype | None = None, scan_layers: bool | None = None,
@@ -185,13 +203,13 @@ def load_target(path: str | Path, dtype: jnp.dtype | None = None, scan_layers: b
         if path.is_dir() and (path / "config.json").is_file():
             hf = read_config_json(path / "config.json")
             if "bastion_jax" in hf:
-                cfg = layer_layout(TargetConfig.from_hf(hf), scan_layers, weights_in_out)
+                cfg = layer_layout(TargetConfig.from_hf(hf), scan_layers, weights_in_out, dtype or _stored_dtype(hf))
                 graphdef, state = _restore(path, hf, "target", cfg, dtype)
                 return Target(cfg, graphdef, state, tokenizer_dir=path, path=path)
         source = open_source(path)
         dtype = dtype or source.native_dtype()
         cfg, params = load_params(source, dtype)
-        cfg = layer_layout(cfg, scan_layers, weights_in_out)
+        cfg = layer_layout(cfg, scan_layers, weights_in_out, dtype)
     except (ConversionError, ConfigError) as e:
         raise CheckpointError(str(e)) from None
     graphdef, state = _merge(cfg, dtype, params)

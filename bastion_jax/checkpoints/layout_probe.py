@@ -1,0 +1,136 @@
+"""Which layout of the target's layer weights XLA:CPU multiplies faster on this machine, measured once.
+
+A verify step multiplies a few rows (the tree's nodes) by every weight matrix of the target, and
+which XLA:CPU kernel does that, and how fast, depends on the weight's layout and on the CPU. On one
+2-core machine (2026-11-25) SmolLM2's layers ran a 4-token forward in 25 ms with weights held
+[in, out] against 32 ms with HF's [out, in]; on another (an Intel Xeon with AMX, 2026-11-27) the same
+forward took 72 ms [in, out] against 62 ms [out, in] (8 tokens: 81 vs 72, 16: 91 vs 83; 1 token
+alike). A fixed choice costs one of them 10-30% of every tree step, so on CPU the layout is measured:
+the target's own layer shapes (as many layers as fit in 1 GiB, enough to stream from memory as the
+real model does), both layouts, a 4- and a 16-row forward each, interleaved, the faster sum kept.
+The answer is cached per machine, JAX version, dtype and shapes under `cache_root()/layout/`, so a
+machine measures once (about a second for SmolLM2). `$BASTION_WEIGHTS_LAYOUT` (`in-out`, `out-in`,
+`auto`: the default) pins it. Models whose layer weights fit in 64 MiB skip the probe: they sit in
+the CPU's caches, where the layout hardly matters, and keep [in, out].
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bastion_jax.config import ConfigError, TargetConfig
+
+ENV = "BASTION_WEIGHTS_LAYOUT"
+PROBE_ROWS = (4, 16)  # tree sizes the controller verifies most (the AR step, 1 row, costs the same either way)
+MIN_BYTES = 64 << 20  # below this the layer weights stay in cache: no probe
+MAX_PROBE_BYTES = 1 << 30  # per layout: enough layers to stream from memory, not a 16 GB copy of an 8B model
+ROUNDS = 5
+
+
+def layer_shapes(cfg: TargetConfig) -> list[tuple[int, int]]:
+    """[in, out] of a decoder layer's linear weights: q, k, v, o, gate, up, down."""
+    h, q, kv, i = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+
+
+def prefers_in_out(cfg: TargetConfig, dtype: jnp.dtype | None = None, log=None) -> bool:
+    """Whether this CPU multiplies a few rows by `cfg`'s layer weights faster held [in, out] than [out, in]."""
+    forced = os.environ.get(ENV, "auto").strip().lower()
+    if forced in ("in-out", "out-in"):
+        return forced == "in-out"
+    if forced != "auto":
+        raise ConfigError(f"${ENV} must be auto, in-out or out-in, got {forced!r}")
+    dtype = jnp.dtype(dtype or jnp.float32)
+    per_layer = sum(a * b for a, b in layer_shapes(cfg)) * dtype.itemsize
+    if per_layer * cfg.num_hidden_layers < MIN_BYTES:
+        return True
+    layers = int(min(cfg.num_hidden_layers, max(1, MAX_PROBE_BYTES // per_layer)))
+    path = _cache_path(cfg, dtype, layers)
+    try:
+        return bool(json.loads(path.read_text())["in_out"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not measured yet on this machine (or an unreadable file): measure
+    t0 = time.perf_counter()
+    ms = measure(layer_shapes(cfg), layers, dtype)
+    in_out = sum(ms["in-out"].values()) < sum(ms["out-in"].values())
+    if log is not None:
+        log(f"weights layout: {'[in, out]' if in_out else '[out, in]'} measured on this CPU in "
+            f"{time.perf_counter() - t0:.1f}s (rows -> ms: {ms}); cached in {path}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"in_out": in_out, "ms": ms, "layers": layers, "cpu": _cpu_name(),
+                                    "jax": jax.__version__, "dtype": dtype.name}, indent=1))
+    except OSError:
+        pass  # a read-only cache only costs the probe again next time
+    return in_out
+
+
+def measure(shapes: list[tuple[int, int]], layers: int, dtype: jnp.dtype, rows=PROBE_ROWS,
+            rounds: int = ROUNDS) -> dict[str, dict[int, float]]:
+    """Median ms of a `layers`-deep stack of these products at each row count, per layout, interleaved
+    (the machine's speed drifts; both layouts see the same drift)."""
+    stacks = {"in-out": [[jnp.full(s, 1e-3, dtype) for s in shapes] for _ in range(layers)],
+              "out-in": [[jnp.full(s[::-1], 1e-3, dtype) for s in shapes] for _ in range(layers)]}
+    xs = {r: jnp.full((r, shapes[0][0]), 0.1, dtype) for r in rows}  # [rows, hidden]
+    times: dict[tuple[str, int], list[float]] = {(k, r): [] for k in stacks for r in rows}
+    for k in stacks:  # compile and warm
+        for r in rows:
+            jax.block_until_ready(_stack(xs[r], stacks[k], k == "in-out"))
+    for _ in range(rounds):
+        for r in rows:
+            for k in stacks:
+                t = time.perf_counter()
+                jax.block_until_ready(_stack(xs[r], stacks[k], k == "in-out"))
+                times[(k, r)].append(time.perf_counter() - t)
+    return {k: {r: round(float(np.median(times[(k, r)])) * 1e3, 3) for r in rows} for k in stacks}
+
+
+def _stack(x: jax.Array, weights: list[list[jax.Array]], in_out: bool) -> jax.Array:
+    """The layers one call each (one small executable per layout and row count compiles in a fraction
+    of a second; a whole unrolled stack took seconds), dispatched ahead, read once."""
+    for w in weights:
+        x = _layer(x, w, in_out)
+    return x
+
+
+@partial(jax.jit, static_argnums=2)
+def _layer(x: jax.Array, weights: list[jax.Array], in_out: bool) -> jax.Array:
+    """A decoder layer's products with its data flow (q/k/v from x, o from q, gate/up, down), no attention."""
+    from bastion_jax.modeling.layers import project
+
+    spec = "...i,io->...o" if in_out else "...i,oi->...o"
+    q, k, v, o, gate, up, down = weights
+    attn = project(spec, project(spec, x, q), o)  # [rows, hidden]
+    x = x + 1e-3 * attn + 0 * (project(spec, x, k).sum() + project(spec, x, v).sum())
+    return x + 1e-3 * project(spec, jax.nn.silu(project(spec, x, gate)) * project(spec, x, up), down)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_path(cfg: TargetConfig, dtype: jnp.dtype, layers: int):
+    from bastion_jax.default_model import cache_root
+
+    import jaxlib
+
+    ident = json.dumps([_cpu_name(), os.cpu_count(), jax.__version__, jaxlib.__version__, dtype.name, layers,
+                        layer_shapes(cfg)])
+    return cache_root() / "layout" / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"

@@ -1,0 +1,111 @@
+"""The CPU weights-layout probe: the measured faster layout is the one kept, cached per machine, pinnable."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bastion_jax.checkpoints import layout_probe
+from bastion_jax.config import ConfigError
+from bastion_jax.presets import preset_configs
+
+
+@pytest.fixture
+def probe_env(monkeypatch, tmp_path):
+    """The probe unpinned (conftest pins it for the suite), its cache in a fresh directory."""
+    monkeypatch.delenv(layout_probe.ENV, raising=False)
+    monkeypatch.setenv("BASTION_JAX_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def _cfg(layers: int = 30):
+    return preset_configs("smollm2-135m", layers, 1, 4)[0]  # ~14 MB of f32 layer weights per layer
+
+
+def _fake(timings, calls):
+    def measure(shapes, layers, dtype, *a, **k):
+        calls.append((layers, jnp.dtype(dtype).name))
+        return timings
+    return measure
+
+
+@pytest.mark.parametrize("in_out_ms, out_in_ms, want", [((10.0, 30.0), (9.0, 20.0), False),
+                                                        ((9.0, 20.0), (10.0, 30.0), True)])
+def test_the_faster_measured_layout_is_kept_and_cached(probe_env, monkeypatch, in_out_ms, out_in_ms, want):
+    calls = []
+    timings = {"in-out": dict(zip(layout_probe.PROBE_ROWS, in_out_ms)),
+               "out-in": dict(zip(layout_probe.PROBE_ROWS, out_in_ms))}
+    monkeypatch.setattr(layout_probe, "measure", _fake(timings, calls))
+    cfg = _cfg()
+    assert layout_probe.prefers_in_out(cfg, jnp.float32) is want
+    assert calls == [(30, "float32")]  # 30 x 14 MB stays under the 1 GiB cap: every layer measured
+    assert layout_probe.prefers_in_out(cfg, jnp.float32) is want
+    assert len(calls) == 1  # the second answer came from the cache
+    saved = [json.loads(p.read_text()) for p in (probe_env / "layout").glob("*.json")]
+    assert [s["in_out"] for s in saved] == [want]
+    layout_probe.prefers_in_out(cfg, jnp.bfloat16)  # another dtype is another measurement
+    assert calls[-1] == (30, "bfloat16")
+
+
+def test_probe_layers_are_capped(probe_env, monkeypatch):
+    calls = []
+    monkeypatch.setattr(layout_probe, "measure", _fake({"in-out": {4: 1.0}, "out-in": {4: 2.0}}, calls))
+    monkeypatch.setattr(layout_probe, "MAX_PROBE_BYTES", 100 << 20)
+    assert layout_probe.prefers_in_out(_cfg(), jnp.float32) is True
+    per_layer = sum(a * b for a, b in layout_probe.layer_shapes(_cfg())) * 4
+    assert calls == [((100 << 20) // per_layer, "float32")]
+
+
+def test_small_models_and_pins_skip_the_probe(probe_env, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(layout_probe, "measure", boom)
+    assert layout_probe.prefers_in_out(_cfg(2), jnp.float32) is True  # 28 MB: below MIN_BYTES
+    for pin, want in (("out-in", False), ("in-out", True), (" In-Out ", True)):
+        monkeypatch.setenv(layout_probe.ENV, pin)
+        assert layout_probe.prefers_in_out(_cfg(), jnp.float32) is want
+    monkeypatch.setenv(layout_probe.ENV, "transposed")
+    with pytest.raises(ConfigError, match="BASTION_WEIGHTS_LAYOUT must be auto, in-out or out-in"):
+        layout_probe.prefers_in_out(_cfg(), jnp.float32)
+
+
+def test_loader_lays_a_target_out_as_probed(probe_env, monkeypatch, converted):
+    """load_target asks the probe (on CPU), in the dtype the target will compute in; the weights
+    follow its answer and compute the same logits either way."""
+    from bastion_jax.checkpoints import load_target
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the probe runs on CPU only")
+    _, flat = converted("qwen3")
+    asked = []
+
+    def answer(value):
+        def prefers(cfg, dtype=None, log=None):
+            asked.append(jnp.dtype(dtype).name)
+            return value
+        return prefers
+
+    for value in (True, False):
+        monkeypatch.setattr(layout_probe, "prefers_in_out", answer(value))
+        t = load_target(flat.path, jnp.bfloat16 if value else None)
+        assert t.config.weights_in_out is value
+        q = t.state["layers"][0]["self_attn"]["q_proj"]["weight"][...] if not t.config.scan_layers else None
+        if q is not None:
+            hf_shape = (t.config.num_attention_heads * t.config.head_dim, t.config.hidden_size)
+            assert q.shape == (hf_shape[::-1] if value else hf_shape)
+    assert asked == ["bfloat16", "float32"]  # the requested dtype, else the checkpoint's own
+
+
+def test_measure_times_both_layouts():
+    shapes = layout_probe.layer_shapes(_cfg())
+    ms = layout_probe.measure(shapes, 2, jnp.float32, rows=(1, 4), rounds=1)
+    assert set(ms) == {"in-out", "out-in"}
+    assert all(set(v) == {1, 4} and all(np.isfinite(t) and t > 0 for t in v.values()) for v in ms.values())
+    # the probe's layer is a real product chain: both layouts compute the same numbers
+    w = [jnp.asarray(np.random.default_rng(i).normal(size=s) * 0.05, jnp.float32) for i, s in enumerate(shapes)]
+    x = jnp.asarray(np.random.default_rng(9).normal(size=(4, shapes[0][0])), jnp.float32)
+    np.testing.assert_allclose(layout_probe._layer(x, w, True), layout_probe._layer(x, [a.T for a in w], False),
+                               rtol=1e-5, atol=1e-5)
