@@ -81,8 +81,13 @@ def load_models(args, log):
     t0 = time.perf_counter()
     path = args.target or default_target_dir(verbose=not args.quiet)
     target = load_target(path, resolve_dtype(args.dtype))
+    import jax
+
+    layout = ""  # on CPU the layout this machine multiplies faster (checkpoints.layout_probe: measured once)
+    if jax.default_backend() == "cpu":
+        layout = f", layer weights {'[in, out]' if target.config.weights_in_out else '[out, in]'}"
     log(f"loaded {path} ({target.config.model_type}, {target.config.param_count() / 1e6:.0f}M params, "
-        f"{target.dtype.name}: {dtype_note(args.dtype)}) in {time.perf_counter() - t0:.1f}s")
+        f"{target.dtype.name}: {dtype_note(args.dtype)}{layout}) in {time.perf_counter() - t0:.1f}s")
     drafter_arg = args.drafter
     if drafter_arg is None and args.target is None:
         from bastion_jax.default_model import default_drafter_dir
