@@ -155,10 +155,11 @@ def default_scan_layers() -> bool:
 
 
 def default_weights_in_out(cfg: TargetConfig | None = None, dtype: jnp.dtype | None = None) -> bool:
-    """The layers' linear weights held [in, out] (True) or HF's [out, in]: GPUs' matmul libraries take
-    either (HF's); on CPU, which one XLA:CPU multiplies a verify step's few rows by faster depends on
-    the machine (10-30% of a tree step either way), so with `cfg` it is measured once per machine
-    (`layout_probe.prefers_in_out`, cached; `$BASTION_WEIGHTS_LAYOUT` pins it); without, [in, out]."""
+    """The layers' linear weights held [in, out] (True) or HF's [out, in]. Off CPU HF's (GPU matmul
+    libraries take either layout at full speed). On CPU, which one XLA:CPU multiplies a verify step's
+    few rows by faster depends on the machine (10-30% of a tree step either way), so with `cfg` it is
+    measured once per machine (`layout_probe.prefers_in_out`, cached; `$BASTION_WEIGHTS_LAYOUT` pins
+    it); without `cfg`, [in, out]."""
     if jax.default_backend() != "cpu":
         return False
     if cfg is None:
