@@ -116,14 +116,31 @@ def _layer(x: jax.Array, weights: list[jax.Array], in_out: bool) -> jax.Array:
 
 
 def _cpu_name() -> str:
+    """The CPU's model name (what the cache file records)."""
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def _cpu_identity() -> list[str]:
+    """What tells two CPUs apart for the cache key: a VM often reports a generic model name ("Intel(R)
+    Xeon(R) Processor") over different chips, so family, model number and instruction-set flags too."""
+    info = _cpuinfo()
+    flags = hashlib.sha256(" ".join(sorted(info.get("flags", "").split())).encode()).hexdigest()[:12]
+    return [_cpu_name(), info.get("vendor_id", ""), info.get("cpu family", ""), info.get("model", ""), flags]
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    out: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                out[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return out
 
 
 def _cache_path(cfg: TargetConfig, dtype: jnp.dtype, layers: int):
@@ -131,6 +148,6 @@ def _cache_path(cfg: TargetConfig, dtype: jnp.dtype, layers: int):
 
     import jaxlib
 
-    ident = json.dumps([_cpu_name(), os.cpu_count(), jax.__version__, jaxlib.__version__, dtype.name, layers,
+    ident = json.dumps([*_cpu_identity(), os.cpu_count(), jax.__version__, jaxlib.__version__, dtype.name, layers,
                         layer_shapes(cfg)])
     return cache_root() / "layout" / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
