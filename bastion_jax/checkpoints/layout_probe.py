@@ -22,6 +22,7 @@ import os
 import platform
 import time
 from functools import partial
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,12 +39,13 @@ ROUNDS = 5
 
 def layer_shapes(cfg: TargetConfig) -> list[tuple[int, int]]:
     """[in, out] of a decoder layer's linear weights: q, k, v, o, gate, up, down."""
-    h, q, kv, i = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
-        cfg.intermediate_size
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
 
 
-def prefers_in_out(cfg: TargetConfig, dtype: jnp.dtype | None = None, log=None) -> bool:
+def prefers_in_out(cfg: TargetConfig, dtype: jnp.dtype | None = None,
+                   log: Callable[[str], None] | None = None) -> bool:
     """Whether this CPU multiplies a few rows by `cfg`'s layer weights faster held [in, out] than [out, in]."""
     forced = os.environ.get(ENV, "auto").strip().lower()
     if forced in ("in-out", "out-in"):
