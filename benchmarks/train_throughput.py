@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tarfile
@@ -206,9 +205,9 @@ def device() -> str:
 
     d = jax.devices()[0]
     if d.platform == "cpu":
-        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-        return f"CPU ({model}), {os.cpu_count()} cores"
+        from bastion_jax.checkpoints.layout_probe import cpu_name
+
+        return f"CPU ({cpu_name()}), {os.cpu_count()} cores"
     return f"{d.platform.upper()} ({d.device_kind})"
 
 

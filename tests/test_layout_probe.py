@@ -83,7 +83,7 @@ def test_loader_lays_a_target_out_as_probed(probe_env, monkeypatch, converted):
     asked = []
 
     def answer(value):
-        def prefers(cfg, dtype=None, log=None):
+        def prefers(cfg, dtype=None):
             asked.append(jnp.dtype(dtype).name)
             return value
         return prefers
@@ -92,10 +92,10 @@ def test_loader_lays_a_target_out_as_probed(probe_env, monkeypatch, converted):
         monkeypatch.setattr(layout_probe, "prefers_in_out", answer(value))
         t = load_target(flat.path, jnp.bfloat16 if value else None)
         assert t.config.weights_in_out is value
-        q = t.state["layers"][0]["self_attn"]["q_proj"]["weight"][...] if not t.config.scan_layers else None
-        if q is not None:
-            hf_shape = (t.config.num_attention_heads * t.config.head_dim, t.config.hidden_size)
-            assert q.shape == (hf_shape[::-1] if value else hf_shape)
+        assert not t.config.scan_layers  # (unrolled by default: one weight per layer)
+        q = t.state["layers"][0]["self_attn"]["q_proj"]["weight"][...]
+        hf_shape = (t.config.num_attention_heads * t.config.head_dim, t.config.hidden_size)
+        assert q.shape == (hf_shape[::-1] if value else hf_shape)
     assert asked == ["bfloat16", "float32"]  # the requested dtype, else the checkpoint's own
 
 

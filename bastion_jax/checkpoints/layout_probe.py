@@ -9,7 +9,7 @@ alike). A fixed choice costs one of them 10-30% of every tree step, so on CPU th
 the target's own layer shapes (as many layers as fit in 1 GiB, enough to stream from memory as the
 real model does), both layouts, a 4- and a 16-row forward each, interleaved, the faster sum kept.
 The answer is cached per machine, JAX version, dtype and shapes under `cache_root()/layout/`, so a
-machine measures once (about a second for SmolLM2). `$BASTION_WEIGHTS_LAYOUT` (`in-out`, `out-in`,
+machine measures once (about 3 s for SmolLM2 on 2 cores). `$BASTION_WEIGHTS_LAYOUT` (`in-out`, `out-in`,
 `auto`: the default) pins it. Models whose layer weights fit in 64 MiB skip the probe: they sit in
 the CPU's caches, where the layout hardly matters, and keep [in, out].
 """
@@ -21,8 +21,7 @@ import json
 import os
 import platform
 import time
-from functools import partial
-from typing import Callable
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +43,7 @@ def layer_shapes(cfg: TargetConfig) -> list[tuple[int, int]]:
     return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
 
 
-def prefers_in_out(cfg: TargetConfig, dtype: jnp.dtype | None = None,
-                   log: Callable[[str], None] | None = None) -> bool:
+def prefers_in_out(cfg: TargetConfig, dtype: jnp.dtype | None = None) -> bool:
     """Whether this CPU multiplies a few rows by `cfg`'s layer weights faster held [in, out] than [out, in]."""
     forced = os.environ.get(ENV, "auto").strip().lower()
     if forced in ("in-out", "out-in"):
@@ -62,15 +60,11 @@ def prefers_in_out(cfg: TargetConfig, dtype: jnp.dtype | None = None,
         return bool(json.loads(path.read_text())["in_out"])
     except (OSError, ValueError, KeyError, TypeError):
         pass  # not measured yet on this machine (or an unreadable file): measure
-    t0 = time.perf_counter()
     ms = measure(layer_shapes(cfg), layers, dtype)
     in_out = sum(ms["in-out"].values()) < sum(ms["out-in"].values())
-    if log is not None:
-        log(f"weights layout: {'[in, out]' if in_out else '[out, in]'} measured on this CPU in "
-            f"{time.perf_counter() - t0:.1f}s (rows -> ms: {ms}); cached in {path}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"in_out": in_out, "ms": ms, "layers": layers, "cpu": _cpu_name(),
+        path.write_text(json.dumps({"in_out": in_out, "ms": ms, "layers": layers, "cpu": cpu_name(),
                                     "jax": jax.__version__, "dtype": dtype.name}, indent=1))
     except OSError:
         pass  # a read-only cache only costs the probe again next time
@@ -117,8 +111,8 @@ def _layer(x: jax.Array, weights: list[jax.Array], in_out: bool) -> jax.Array:
     return x + 1e-3 * project(spec, jax.nn.silu(project(spec, x, gate)) * project(spec, x, up), down)
 
 
-def _cpu_name() -> str:
-    """The CPU's model name (what the cache file records)."""
+def cpu_name() -> str:
+    """The CPU's model name (what the cache file records; benchmarks name the device with it)."""
     return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
@@ -127,11 +121,12 @@ def _cpu_identity() -> list[str]:
     Xeon(R) Processor") over different chips, so family, model number and instruction-set flags too."""
     info = _cpuinfo()
     flags = hashlib.sha256(" ".join(sorted(info.get("flags", "").split())).encode()).hexdigest()[:12]
-    return [_cpu_name(), info.get("vendor_id", ""), info.get("cpu family", ""), info.get("model", ""), flags]
+    return [cpu_name(), info.get("vendor_id", ""), info.get("cpu family", ""), info.get("model", ""), flags]
 
 
+@cache
 def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    """The first processor's fields of /proc/cpuinfo (empty where there is none), read once."""
     out: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
