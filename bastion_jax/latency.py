@@ -33,9 +33,10 @@ DEVICE_PEAKS = {
 
 # Bump when the compiled steps' costs change (attention, fusion, compaction...): a calibration
 # measured on older steps would misprice the new ones, so it is part of the calibration key.
-STEPS_VERSION = 6  # 2: attention over the live context only (issue 14); 3: two-pass greedy argmax;
+STEPS_VERSION = 7  # 2: attention over the live context only (issue 14); 3: two-pass greedy argmax;
 # 4: trees read the top min(top_k, nodes - 1) tokens per depth; 5: bf16 on CPU on XLA:CPU's bf16 kernels;
-# 6: a draft projects only the new context rows it needs (4, 8, 16 or 32)
+# 6: a draft projects only the new context rows it needs (4, 8, 16 or 32); 7: tree steps that hold
+# (bastion verifying a lookup chain) calibrated as variants of their own (`held`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +155,18 @@ class ModelDims:
 
 
 AR, AR_DRAFT = "ar", "ar+draft"  # the root-step variants, calibrated beside the buckets
+_HELD = ":hold"
+
+
+def held(b: int) -> str:
+    """The variant of a tree step of bucket b that does not draft after verifying (bastion's step
+    that verifies a held lookup chain), e.g. "8:hold"."""
+    return f"{int(b)}{_HELD}"
+
+
+def held_bucket(variant: int | str) -> int | None:
+    """b for `held(b)`, None for any other variant."""
+    return int(variant[: -len(_HELD)]) if isinstance(variant, str) and variant.endswith(_HELD) else None
 
 
 @dataclasses.dataclass
@@ -181,7 +194,10 @@ class LatencyModel:
 
     def raw(self, b: int | str, c: int) -> float:
         """Uncalibrated roofline seconds of one step. `b` is a bucket (verify b nodes, then draft one
-        block), "ar" (a root step: one target token, no draft) or "ar+draft" (a root step that drafts)."""
+        block), "ar" (a root step: one target token, no draft), "ar+draft" (a root step that drafts) or
+        `held(b)` (verify b nodes, no draft)."""
+        if held_bucket(b) is not None:
+            return self.target.roofline(self.peaks, held_bucket(b), c, self.batch)
         if b in (AR, AR_DRAFT):
             t = self.target.roofline(self.peaks, 1, c, self.batch)
             return t + (self.draft_raw(c) if b == AR_DRAFT else 0.0)
@@ -198,9 +214,14 @@ class LatencyModel:
 
     def step_time(self, b: int, c: int, draft: bool) -> float:
         """T(b, c, draft) for the draft gate: b = 0 is a root (AR) step; a tree step that does not draft
-        costs its drafting step minus the measured price of a draft (root step with and without one)."""
+        is its own calibrated variant (`held(b)`) when it was profiled, else its drafting step minus the
+        measured price of a draft (root step with and without one). The difference alone priced them
+        ~10-25% low on CPU, where a draft costs less inside a tree step than beside a root step (and
+        its error is the error of three fits), and the gate verified lookup chains that lost time."""
         if b == 0:
             return self.predict(AR_DRAFT if draft else AR, c)
+        if not draft and held(b) in self.alpha:
+            return self.predict(held(b), c)
         t = self.predict(b, c)
         if draft:
             return t
@@ -287,7 +308,7 @@ class LatencyModel:
             self.peaks = DevicePeaks(peaks["name"], float(peaks["flops"]), float(peaks["bandwidth"]),
                                      str(peaks.get("source", "datasheet")))
         for b, v in data.get("calibration", {}).items():
-            b = int(b) if b.isdigit() else b  # a bucket, or a root-step variant ("ar", "ar+draft")
+            b = int(b) if b.isdigit() else b  # a bucket, or a variant ("ar", "ar+draft", "8:hold")
             self.alpha[b], self.beta[b] = float(v["alpha"]), float(v["beta"])
         self.ema.clear()  # a loaded calibration starts uncorrected, as the fit that wrote it
         return True

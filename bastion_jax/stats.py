@@ -16,7 +16,7 @@ class Stats:
     steps: int = 0  # decoding steps after prefill
     committed: int = 0  # tokens committed by those steps, summed over rows (accepted + 1 each)
     row_steps: int = 0  # (row, step) pairs in which the row was active
-    compile_s: float = 0.0
+    compile_s: float = 0.0  # warm-up: compiling new executables and their first (untimed) runs
     ttft_s: float = 0.0
     decode_s: float = 0.0
     compilations: int = 0  # by the engine during this request (warm-up)
@@ -45,7 +45,7 @@ class Stats:
                 hist += f" ({self.chain_steps} verified a lookup chain without drafting)"
         return (f"new tokens {self.new_tokens} | {self.tokens_per_s:.1f} tok/s | tau {self.tau:.2f} | "
                 f"TTFT {self.ttft_s * 1e3:.0f} ms | steps {self.steps}{hist} | "
-                f"compile {self.compile_s:.1f}s ({self.compilations} at warm-up, "
+                f"warm-up {self.compile_s:.1f}s ({self.compilations} compiled, "
                 f"{self.compilations_after_warmup} after) | ended: {self.ended_summary()}")
 
     def ended_summary(self) -> str:

@@ -41,7 +41,7 @@ import numpy as np
 
 from bastion_jax.controller import Controller
 from bastion_jax.draft_gate import DraftGate
-from bastion_jax.latency import AR, AR_DRAFT, LatencyModel
+from bastion_jax.latency import AR, AR_DRAFT, LatencyModel, held
 from bastion_jax.tree_decoding import DRAFT, HOLD
 
 
@@ -184,11 +184,11 @@ class TreeLoop:
         ctl.histogram[b] += 1  # (counted here, once per step read)
         if not timed:
             pass
-        elif then == DRAFT:  # tree steps that hold and flushes are not calibrated variants
-            # (the latency model prices bucket 1 by the drafting root step: `LatencyModel.variant`)
+        elif then == DRAFT:  # (flushes are not priced; the latency model prices bucket 1 by the
+            # drafting root step: `LatencyModel.variant`)
             self.latency.observe(b or AR_DRAFT, context, elapsed)
-        elif then == HOLD and b == 0:
-            self.latency.observe(AR, context, elapsed)
+        elif then == HOLD:
+            self.latency.observe(held(b) if b else AR, context, elapsed)
         if gate is not None:
             gate.chained += chain
             if b and not chain:  # rho is the drafter's calibration: a chain's outcome is learnt on device

@@ -138,13 +138,14 @@ def test_no_recompilation_after_warmup_bastion(converted):
 def test_calibration_prices_the_root_alone_as_the_drafting_root_step(converted):
     """bastion never runs bucket 1 as a tree step (a root step that drafts is the same work), so the
     calibration neither compiles nor times it and prices it as that root step."""
-    from bastion_jax.latency import AR_DRAFT
+    from bastion_jax.latency import AR_DRAFT, held
 
     _, target = converted("qwen3")
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK))
     engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4)
     samples = engine.calibrate(64, contexts=(8, 40), reps=1)
-    assert {b for b, _, _ in samples} == (set(BUCKETS) - {1}) | {"ar", AR_DRAFT}
+    chains = {held(b) for b in BUCKETS if 1 < b <= BLOCK}  # the steps verifying a held lookup chain
+    assert chains and {b for b, _, _ in samples} == (set(BUCKETS) - {1}) | {"ar", AR_DRAFT} | chains
     assert not any(k[0] == "tree_step" and k[-1] == 1 for k in engine.executables._table)
     for c in (8, 40):
         assert engine.latency.predict(1, c) == pytest.approx(engine.latency.predict(AR_DRAFT, c))
@@ -168,6 +169,32 @@ def test_latency_model_prices_bucket_one_as_the_drafting_root_step_only_with_a_d
     assert plain.predict(1, 100) == pytest.approx(3 * plain.raw(1, 100) + 0.1)
     plain.observe(1, 100, 1.0)
     assert plain.predict(AR_DRAFT, 100) != plain.predict(1, 100)
+
+
+def test_a_tree_step_that_holds_is_priced_by_its_own_fit_once_profiled():
+    """A step that verifies b nodes and does not draft (a held lookup chain) is its own variant: once
+    calibrated, the gate's T(b, c, no draft) is that fit (and its online correction), not the drafting
+    step minus a draft's price; before, the difference stands in."""
+    from bastion_jax.latency import AR, AR_DRAFT, held, held_bucket
+
+    dims = ModelDims(layers=2, hidden=64, n_q=4, n_kv=2, head_dim=16, ffn=128, vocab=96)
+    lat = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8), drafter=dims, block_size=4)
+    for b, t in ((AR, 0.020), (AR_DRAFT, 0.025), (8, 0.040)):  # flat fits: seconds at any context
+        lat.alpha[b], lat.beta[b] = 0.0, t
+    assert lat.step_time(8, 100, False) == pytest.approx(0.035)  # 0.040 - (0.025 - 0.020)
+    lat.fit([(held(8), c, 3 * lat.raw(held(8), c)) for c in (16, 512)])
+    assert held_bucket(held(8)) == 8 and held_bucket(AR) is None and held_bucket(8) is None
+    assert lat.raw(held(8), 100) == pytest.approx(lat.raw(8, 100) - lat.draft_raw(100))  # no draft in it
+    want = 3 * lat.raw(held(8), 100)
+    assert lat.step_time(8, 100, False) == pytest.approx(want)
+    assert lat.step_time(8, 100, True) == pytest.approx(0.040)
+    lat.observe(held(8), 100, 2 * want)
+    assert lat.step_time(8, 100, False) == pytest.approx(2 ** 0.1 * want)
+    assert lat.predict(8, 100) == pytest.approx(0.040)  # the drafting step's price is its own
+    saved = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8), drafter=dims, block_size=4)
+    lat.ema.clear()
+    assert saved.load_json(lat.to_json("m", "float32", 4), "m", "float32", 4)
+    assert saved.step_time(8, 100, False) == pytest.approx(want)
 
 
 def test_fixed_policy_with_unknown_bucket_is_an_error(converted):

@@ -70,7 +70,7 @@ def test_only_a_run_that_profiled_writes_the_calibration(capsys, tiny_ckpt, tmp_
     assert "[compare] bastion vs ar: speedup" in err2 and "text identical to AR: yes" in err2
     # Both timed runs were warmed up alike: neither compiled anything while being timed.
     assert "[compare] warm-up: bastion and ar" in err2
-    assert err2.count("compile 0.0s (0 at warm-up, 0 after)") == 2, err2
+    assert err2.count("warm-up 0.0s (0 compiled, 0 after)") == 2, err2
 
 
 def test_calibration_key_follows_the_setting_not_the_spelling(tiny_ckpt, tmp_path, monkeypatch):
@@ -114,7 +114,7 @@ def test_compare_ar_at_temperature_does_not_claim_identity(capsys, tiny_ckpt):
     line = next(x for x in err.splitlines() if x.startswith("[compare] fixed:4 vs ar"))
     assert "texts not compared (temperature 0.9" in line
     assert "identical" not in line and "differs" not in line
-    assert err.count("compile 0.0s (0 at warm-up, 0 after)") == 2, err
+    assert err.count("warm-up 0.0s (0 compiled, 0 after)") == 2, err
 
 
 def test_top_k_is_the_sampling_top_k(capsys, tiny_ckpt):

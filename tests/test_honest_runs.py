@@ -77,6 +77,53 @@ def test_timings_exclude_what_the_caller_does_between_steps(pair, monkeypatch):
     assert (stats.compile_s, stats.ttft_s, stats.decode_s) == (0.0, 0.0, 0.0)
 
 
+class _Spy:
+    """A compiled executable that logs each call's key (its first run is its one-time set-up)."""
+
+    def __init__(self, exe, key, calls):
+        self.exe, self.key, self.calls = exe, key, calls
+
+    def __call__(self, *args):
+        self.calls.append(self.key)
+        return self.exe(*args)
+
+
+@pytest.mark.parametrize("mode", ["ar", "dflash", "fixed:4", "bastion"])
+def test_every_executable_runs_once_before_the_request_is_timed(converted, monkeypatch, mode):
+    """On XLA:CPU an executable's first run costs ~1-2.5 s on top of its time (SmolLM2): the engine
+    runs every executable a request may use, bastion's held-chain and flush steps included, once at
+    warm-up, before the request's own prefill (whose call starts the timed part), so none first
+    runs inside the request; a second request with the same shapes runs no warm-up at all."""
+    from bastion_jax.executables import Executables
+    from bastion_jax.testing import ChainsPay
+
+    calls: list = []
+    compiled = Executables.compiled
+
+    def spy(self, fn, key, args, static=None):
+        if key not in self._table:
+            self._table[key] = _Spy(compiled(self, fn, key, args, static), key, calls)
+        return self._table[key]
+
+    monkeypatch.setattr(Executables, "compiled", spy)
+    _, target = converted("llama3")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK), seed=1)
+    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4), top_k=4, latency=ChainsPay())
+    prompt = [5, 9, 11, 40, 41, 5, 9, 11, 40]
+    res = engine.generate([prompt], max_new_tokens=24, mode=mode)
+    prefill = calls[0]
+    assert prefill[0].endswith("prefill") and calls.count(prefill) == 2
+    timed = calls.index(prefill, 1)  # the request's own prefill
+    used = set(calls)
+    assert used == set(calls[:timed]), f"first run inside the request: {used - set(calls[:timed])}"
+    if mode == "bastion":
+        assert res.stats.chain_steps > 0 and any(k[-1] == 2 for k in used if k[0] == "root_step")  # + a flush
+        assert len(used) == len(engine.executables._table)  # calibrated or not, every step of bastion
+    calls.clear()
+    engine.generate([prompt], max_new_tokens=24, mode=mode)
+    assert calls.count(prefill) == 1 and calls[0] == prefill  # warm already: straight to the request
+
+
 def test_default_mode_is_the_clis(pair, converted):
     _, engine = pair
     assert engine.default_mode == "bastion"
