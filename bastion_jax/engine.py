@@ -353,6 +353,7 @@ class Engine:
                 # tree or lookup chain pays drafts at once whatever the interval (`DraftGate.use_tree`,
                 # `root_then`), while text like the last request's is not probed from 4 again.
                 gate.probe = self._gate_memory.get("probe", gate.probe)
+                gate.chain_sums = {b: list(v) for b, v in self._gate_memory.get("chains", {}).items()}
         else:
             prefill, step = (exe.ar if policy.kind == "ar" else exe.chain)(batch, bucket, cache_len, sampling)
         if policy.uses_tree:
@@ -462,7 +463,7 @@ class Engine:
         stats.compilations_after_warmup += compile_counter.compilations() - compiled_before_loop
         if policy.kind == "bastion" and gate is not None:
             self._gate_memory.update(calibration=(gate.accepted_ema, gate.surrogate_ema, gate.verified),
-                                     a_bar=gate.a_bar, probe=gate.probe)
+                                     a_bar=gate.a_bar, probe=gate.probe, chains=gate.chain_sums)
             stats.chain_steps += gate.chained
         if controller is not None:
             for b, n in controller.histogram.items():

@@ -72,6 +72,7 @@ class Dispatched(NamedTuple):
     at: float  # when it was dispatched
     chain: bool = False  # a tree step verifying the held lookup chain
     early: bool = False  # dispatched before its predecessor was read (the device starts it when that ends)
+    predicted: float = 0.0  # a held chain's step: the accepted tokens its curve promised at this bucket
 
 
 class TreeLoop:
@@ -107,7 +108,8 @@ class TreeLoop:
                        early: bool = False) -> tuple[Any, Dispatched]:
         ts = time.perf_counter()
         state, out, curve = (self.steps if then == DRAFT else self.chains)[b](*self.params, state, active_dev, key)
-        return state, Dispatched(b, then, out, curve, ts, chain, early)
+        predicted = float(self.hint[self.buckets.index(b)]) if chain else 0.0
+        return state, Dispatched(b, then, out, curve, ts, chain, early, predicted)
 
     def _chain_bucket(self, context: int, then: int) -> int:
         """The bucket of a step verifying the held lookup chain (0: a root step), judged on the last
@@ -191,9 +193,11 @@ class TreeLoop:
             self.latency.observe(held(b) if b else AR, context, elapsed)
         if gate is not None:
             gate.chained += chain
-            if b and not chain:  # rho is the drafter's calibration: a chain's outcome is learnt on device
+            if b and not chain:  # rho is the drafter's calibration
                 gate.observe_verify(b, float(self.curve[active, self.buckets.index(b)].mean()),
                                     float(counts[active].mean() - 1))
+            elif chain:  # (the chain's hit rates are learnt on device; its curve's bias here)
+                gate.observe_chain(b, cur.predicted, float(counts[active].mean() - 1))
             if not recorded:
                 gate.record(then, int(counts[active].max()))
             if then == DRAFT:

@@ -322,6 +322,25 @@ def test_chain_bucket_keeps_the_feature_buffer_and_prices():
     assert gate.chain_bucket(10, paying, DRAFT) == 0  # (the rows are buffered before the draft injects them)
 
 
+def test_chain_rho_learns_each_buckets_bias_and_moves_the_choice():
+    """Held chains verified at a bucket whose curve over-promises (8 nodes promised 2.0 accepted tokens,
+    gave 0.5) lower that bucket's rho_c until the gate prefers the bucket whose chains keep their
+    promise (4 nodes: 1.5 promised, 1.5 given); the other bucket's estimate is untouched, and a
+    calibrated bucket stays near 1."""
+    gate = DraftGate(BUCKETS, Latency().step_time, pending_slots=16, block_size=8)
+    paying = np.array([0.0, 1.5, 2.0])
+    assert gate.chain_rho(8) == 1.0 and gate.chain_bucket(10, paying, HOLD) == 8
+    for _ in range(6):
+        gate.observe_chain(8, 2.0, 0.5)
+        gate.observe_chain(4, 1.5, 1.5)
+    assert gate.chain_rho(8) < 0.75 and gate.chain_rho(4) == pytest.approx(1.0)
+    assert gate.chain_bucket(10, paying, HOLD) == 4
+    for _ in range(60):
+        gate.observe_chain(4, 1.5, 0.0)
+        gate.observe_chain(8, 2.0, 0.0)
+    assert gate.chain_rho(4) < 0.1 and gate.chain_bucket(10, paying, HOLD) == 0  # nothing pays now
+
+
 def test_rho_reads_a_calibrated_drafter_as_calibrated():
     """Trees whose surrogate is exactly the expected acceptance (each of 4 drafts accepted in turn
     with probability 0.4, a chain: accepted drafts = how many accepted before the first miss) leave
