@@ -13,7 +13,6 @@ handling, stop rules (`stats.Rows`) and statistics (`stats.Stats`).
 from __future__ import annotations
 
 import numbers
-import statistics
 import time
 import warnings
 from typing import Callable, Iterator, Sequence
@@ -22,18 +21,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bastion_jax import compile_counter, tree_decoding
+from bastion_jax import compile_counter, tree_decoding, warmup
 from bastion_jax.checkpoints import LoadedDrafter, Target
 from bastion_jax.controller import DEFAULT_BUCKETS, Controller, Policy, PolicyError
 from bastion_jax.draft_gate import DraftGate
 from bastion_jax.executables import Executables
-from bastion_jax.latency import AR, AR_DRAFT, DevicePeaks, LatencyModel, ModelDims, held
+from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims
 from bastion_jax.datastore import Datastore, resolve_datastore
 from bastion_jax.lookup import LookupConfig
-from bastion_jax.sampling import SamplingConfig, sampler
+from bastion_jax.sampling import SamplingConfig
 from bastion_jax.speculative import DraftVocab, resolve_draft_vocab
 from bastion_jax.stats import Result, Rows, Stats
-from bastion_jax.tree_decoding import DRAFT, FLUSH, HOLD
 from bastion_jax.tree_loop import TreeLoop, read
 
 __all__ = ["MODES", "Engine", "GenerationError", "Result", "Stats"]
@@ -42,24 +40,10 @@ __all__ = ["MODES", "Engine", "GenerationError", "Result", "Stats"]
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 MODES = ("ar", "dflash", "fixed:N", "bastion")
-FLUSH_VARIANT = "flush"  # the root step that flushes, among `Engine._tree_variants` (warmed, never priced)
 
 
 class GenerationError(ValueError):
     """A request the engine cannot serve (e.g. prompt longer than the cache)."""
-
-
-def _exe_id(f) -> int:
-    """Which compiled executable `f` runs (a `Bound` wraps one anew per request)."""
-    return id(getattr(f, "exe", f))
-
-
-def _prompt_args(padded: np.ndarray, lens: np.ndarray, seed: int, sampling: SamplingConfig):
-    """(rng, (tokens, lengths, sampler)) of a request: the prompts [batch, bucket] and their lengths on
-    the device, and the sampler with the request's first key (temperature, top-k and top-p are arrays,
-    made once per request: other values compile nothing)."""
-    rng, sub = jax.random.split(jax.random.PRNGKey(seed))
-    return rng, (jnp.asarray(padded), jnp.asarray(lens), sampler(sub, sampling))
 
 
 def next_pow2(n: int) -> int:
@@ -124,7 +108,7 @@ class Engine:
         self._gate_memory: dict = {}  # the draft gate's acceptance estimates, kept across requests
         self.latency = latency or self.default_latency_model()
         self._batch_latency: dict[int, LatencyModel] = {}  # models for other batch sizes than self.latency's
-        self._warm: set[int] = set()  # ids of the executables that ran once (`_warm_up`)
+        self.warm: set[int] = set()  # ids of the executables that ran once (`warmup.warm_up`)
 
     def latency_for(self, batch: int) -> LatencyModel:
         """The latency model that prices steps of `batch` rows: `self.latency` when it was made (and
@@ -163,97 +147,11 @@ class Engine:
     def calibrate(self, cache_len: int, sampling: SamplingConfig = SamplingConfig(),
                   contexts: Sequence[int] | None = None, reps: int = 5,
                   batch: int = 1) -> list[tuple[int | str, int, float]]:
-        """Offline calibration: time every bucket's step, the root (AR) step with and without a draft,
-        and the steps that verify a held lookup chain (`held(b)`), at a few context lengths, with `batch`
-        rows, and fit the latency model (which from then on prices steps of that batch) to the median
-        of `reps` timings per point, taken in rounds over all points (one timing is off by 10-20% now
-        and then on a busy CPU, and the draft gate decides on these prices).
-        Steps run with the rows inactive, so the context length stays put."""
-        self.latency = self.latency.for_batch(batch)
-        top = cache_len - self.tree_slack() - 1
-        contexts = sorted({max(1, c) for c in (contexts or (16, top)) if c <= top})
-        exe = self.executables
-        prefill, variants = self._tree_variants(batch, cache_len, sampling)
-        variants.pop(FLUSH_VARIANT, None)  # (a flush is never priced: warmed, not timed)
-        state = self._scratch_state(prefill, batch, cache_len, sampling)
-        inactive = jnp.zeros((batch,), bool)
-        key = sampler(jax.random.PRNGKey(0), sampling)
-        points = [(b, c) for b in variants for c in contexts]
-        times: dict[tuple, list[float]] = {pt: [] for pt in points}
-        # Rounds over every point rather than each point's runs back to back: a slow spell of the machine
-        # then lands on all buckets alike instead of pricing one of them high (four back-to-back
-        # calibrations priced bucket 8 at 36.0-42.7 ms, once below bucket 4, which decides buckets).
-        for r in range(reps + 1):  # the first round is a warm-up
-            for b, c in points:
-                state = state.replace(length=jnp.full((batch,), c, jnp.int32))
-                t0 = time.perf_counter()
-                state, out, _ = variants[b](exe.target_params, exe.drafter_params, state, inactive, key)
-                jax.block_until_ready(out.count)
-                self._warm.add(_exe_id(variants[b]))
-                if r:
-                    times[(b, c)].append(time.perf_counter() - t0)
-        samples = [(b, c, statistics.median(times[(b, c)])) for b, c in points]
-        self.latency.fit(samples)
-        return samples
-
-    def _tree_variants(self, batch: int, cache_len: int, sampling: SamplingConfig) -> tuple[Callable, dict]:
-        """(prefill, {variant: step}) of bastion at these shapes: every bucket's tree step (not bucket 1,
-        `tree_step_buckets`), the root steps (AR, AR_DRAFT, and a flush under FLUSH_VARIANT) and the
-        steps verifying a held lookup chain (`held(b)`)."""
-        exe = self.executables
-        prefill, steps = exe.tree(batch, 16, cache_len, sampling, self.tree_step_buckets("bastion"))
-        variants: dict = dict(steps)
-        if self.drafter is not None:
-            roots = exe.roots(batch, cache_len, sampling)
-            variants[AR], variants[AR_DRAFT], variants[FLUSH_VARIANT] = roots[HOLD], roots[DRAFT], roots[FLUSH]
-            variants.update({held(b): step for b, step in exe.chains(batch, cache_len, sampling).items()})
-        return prefill, variants
-
-    def _scratch_state(self, prefill, batch: int, cache_len: int, sampling: SamplingConfig):
-        """A tree state from a one-token prompt in fresh caches: what calibration and warm-up run steps
-        on (rows inactive, so nothing is committed)."""
-        exe = self.executables
-        state, _ = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),
-                           exe.new_drafter_cache(batch, cache_len), jnp.zeros((batch, 16), jnp.int32),
-                           jnp.ones((batch,), jnp.int32), sampler(jax.random.PRNGKey(0), sampling))
-        return state
-
-    def _warm_up(self, policy: Policy, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig,
-                 prefill, steps: Sequence) -> None:
-        """Run once, on scratch buffers, every executable of this request that never ran. On XLA:CPU an
-        executable's first run costs ~1-2.5 s on top of its time (SmolLM2, 2 cores: one-time set-up of
-        its matmul kernels; it recurs for every executable, even one loaded from the compilation cache),
-        and paying it inside the request made the README's first command run at 5 tok/s against 23
-        steady, with a 2 s first token. Steps run with their rows inactive, at a context of 16 (so the
-        attention's loop over the live context runs), and their outputs are dropped."""
-        steps = [f for f in steps if _exe_id(f) not in self._warm]
-        if not steps and _exe_id(prefill) in self._warm:
-            return
-        exe = self.executables
-        # The request's own host->device preparation too, on dummy prompts of the same shapes: its eager
-        # ops (the key split, the prompt's transfer) compile on their first use, ~0.1-0.2 s of the first
-        # request's time to first token otherwise.
-        _, (tokens, lens, params) = _prompt_args(np.zeros((batch, bucket), np.int32),
-                                                 np.full((batch,), min(16, bucket), np.int32), 0, sampling)
-        inactive = jax.device_put(np.zeros((batch,), bool))
-        if policy.kind == "ar":
-            nxt, tcache = prefill(exe.target_params, exe.new_cache(batch, cache_len), tokens, lens, params)
-            for step in steps:  # (the loop sends the lengths each step)
-                nxt, tcache = step(exe.target_params, tcache, nxt, jax.device_put(np.asarray(lens)), params, inactive)
-            jax.block_until_ready(nxt)
-        elif policy.kind == "dflash":
-            state = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),
-                            exe.new_drafter_cache(batch, cache_len), tokens, lens, params)
-            for step in steps:
-                state, out = step(exe.target_params, exe.drafter_params, state, inactive, params)
-            jax.block_until_ready(state)
-        else:
-            state, _ = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),
-                               exe.new_drafter_cache(batch, cache_len), tokens, lens, params)
-            for step in steps:
-                state, out, _ = step(exe.target_params, exe.drafter_params, state, inactive, params)
-            jax.block_until_ready(state)
-        self._warm.update(_exe_id(f) for f in (prefill, *steps))  # (the prefill ran too: it made the state)
+        """Offline calibration (`warmup.calibrate`): time every bucket's step, the root (AR) step with and
+        without a draft and the steps that verify a held lookup chain at a few context lengths, with
+        `batch` rows, and fit the latency model, which from then on prices steps of that batch.
+        Returns the (variant, context, seconds) samples."""
+        return warmup.calibrate(self, cache_len, sampling, contexts, reps, batch)
 
     def tree_step_buckets(self, kind: str) -> list[int]:
         """The tree steps bastion compiles: not bucket 1 (the root alone runs as a root step that
@@ -356,18 +254,19 @@ class Engine:
                 gate.chain_sums = {b: list(v) for b, v in self._gate_memory.get("chains", {}).items()}
         else:
             prefill, step = (exe.ar if policy.kind == "ar" else exe.chain)(batch, bucket, cache_len, sampling)
+        # Every executable this request may use runs once now, not inside the timed request.
         if policy.uses_tree:
-            self._warm_up(policy, batch, bucket, cache_len, sampling, prefill,
-                          [*steps.values(), *(roots or {}).values(), *(chains or {}).values()])
+            warmup.warm_up(self, policy.kind, batch, bucket, cache_len, sampling, prefill,
+                           [*steps.values(), *(roots or {}).values(), *(chains or {}).values()])
         else:
-            self._warm_up(policy, batch, bucket, cache_len, sampling, prefill, [step])
+            warmup.warm_up(self, policy.kind, batch, bucket, cache_len, sampling, prefill, [step])
         stats.compile_s += time.perf_counter() - t0
 
         t0 = time.perf_counter()
         padded = np.zeros((batch, bucket), np.int32)
         for i, p in enumerate(prompts):
             padded[i, : len(p)] = p
-        rng, prompt_args = _prompt_args(padded, lens, seed, sampling)
+        rng, prompt_args = warmup.prompt_args(padded, lens, seed, sampling)
         params = prompt_args[2]
         tcache = exe.new_cache(batch, cache_len)
         dstate = exe.drafter_params

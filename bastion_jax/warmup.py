@@ -1,0 +1,129 @@
+"""Running the compiled steps before a request is timed: calibration (time them, fit the latency
+model) and warm-up (run each once).
+
+Why a warm-up: on XLA:CPU an executable's first run costs ~1-2.5 s on top of its time (SmolLM2,
+2 cores: one-time set-up of its matmul kernels, per kernel, so a branch or loop body first taken
+later pays then; it recurs for every executable, even one loaded from the compilation cache).
+Paid inside a request, it held the README's first command to 5 tok/s against 23 steady, with a 2 s
+first token, and a benchmark's short warm-up run left bastion's held-chain steps cold until a timed
+answer met them. So every executable a request may use runs once on scratch buffers first
+(`warm_up`), and the engine remembers which did (`Engine.warm`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bastion_jax.latency import AR, AR_DRAFT, held
+from bastion_jax.sampling import SamplingConfig, sampler
+from bastion_jax.tree_decoding import DRAFT, FLUSH, HOLD
+
+if TYPE_CHECKING:
+    from bastion_jax.engine import Engine
+
+FLUSH_VARIANT = "flush"  # the root step that flushes, among `tree_variants` (warmed, never priced)
+
+
+def exe_id(f) -> int:
+    """Which compiled executable `f` runs (an `executables.Bound` wraps one anew per request)."""
+    return id(getattr(f, "exe", f))
+
+
+def prompt_args(padded: np.ndarray, lens: np.ndarray, seed: int, sampling: SamplingConfig):
+    """(rng, (tokens, lengths, sampler)) of a request: the prompts [batch, bucket] and their lengths on
+    the device, and the sampler with the request's first key (temperature, top-k and top-p are arrays,
+    made once per request: other values compile nothing)."""
+    rng, sub = jax.random.split(jax.random.PRNGKey(seed))
+    return rng, (jnp.asarray(padded), jnp.asarray(lens), sampler(sub, sampling))
+
+
+def tree_variants(engine: "Engine", batch: int, cache_len: int, sampling: SamplingConfig) -> tuple[Callable, dict]:
+    """(prefill, {variant: step}) of bastion at these shapes: every bucket's tree step (not bucket 1,
+    `Engine.tree_step_buckets`), the root steps (AR, AR_DRAFT, and a flush under FLUSH_VARIANT) and
+    the steps verifying a held lookup chain (`held(b)`)."""
+    exe = engine.executables
+    prefill, steps = exe.tree(batch, 16, cache_len, sampling, engine.tree_step_buckets("bastion"))
+    variants: dict = dict(steps)
+    if engine.drafter is not None:
+        roots = exe.roots(batch, cache_len, sampling)
+        variants[AR], variants[AR_DRAFT], variants[FLUSH_VARIANT] = roots[HOLD], roots[DRAFT], roots[FLUSH]
+        variants.update({held(b): step for b, step in exe.chains(batch, cache_len, sampling).items()})
+    return prefill, variants
+
+
+def calibrate(engine: "Engine", cache_len: int, sampling: SamplingConfig, contexts: Sequence[int] | None,
+              reps: int, batch: int) -> list[tuple[int | str, int, float]]:
+    """`Engine.calibrate`: the median of `reps` timings of every priced variant (`tree_variants` less
+    the flush) at each context, taken in rounds over all points (one timing is off by 10-20% now and
+    then on a busy CPU, and the draft gate decides on these prices), fitted into the engine's
+    latency model. Steps run with the rows inactive, so the context length stays put."""
+    engine.latency = engine.latency.for_batch(batch)
+    top = cache_len - engine.tree_slack() - 1
+    contexts = sorted({max(1, c) for c in (contexts or (16, top)) if c <= top})
+    exe = engine.executables
+    prefill, variants = tree_variants(engine, batch, cache_len, sampling)
+    variants.pop(FLUSH_VARIANT, None)
+    key = sampler(jax.random.PRNGKey(0), sampling)
+    state, _ = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),
+                       exe.new_drafter_cache(batch, cache_len), jnp.zeros((batch, 16), jnp.int32),
+                       jnp.ones((batch,), jnp.int32), key)
+    inactive = jnp.zeros((batch,), bool)
+    points = [(b, c) for b in variants for c in contexts]
+    times: dict[tuple, list[float]] = {pt: [] for pt in points}
+    # Rounds over every point rather than each point's runs back to back: a slow spell of the machine
+    # then lands on all buckets alike instead of pricing one of them high (four back-to-back
+    # calibrations priced bucket 8 at 36.0-42.7 ms, once below bucket 4, which decides buckets).
+    for r in range(reps + 1):  # the first round is a warm-up
+        for b, c in points:
+            state = state.replace(length=jnp.full((batch,), c, jnp.int32))
+            t0 = time.perf_counter()
+            state, out, _ = variants[b](exe.target_params, exe.drafter_params, state, inactive, key)
+            jax.block_until_ready(out.count)
+            engine.warm.add(exe_id(variants[b]))
+            if r:
+                times[(b, c)].append(time.perf_counter() - t0)
+    samples = [(b, c, statistics.median(times[(b, c)])) for b, c in points]
+    engine.latency.fit(samples)
+    return samples
+
+
+def warm_up(engine: "Engine", kind: str, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig,
+            prefill, steps: Sequence) -> None:
+    """Run once, on scratch buffers, the prefill and every step of a request of policy `kind` ("ar",
+    "dflash" or a tree policy) that never ran (nothing when all did). Steps run with their rows
+    inactive, at a context of 16 (so the attention's loop over the live context runs), and their
+    outputs are dropped."""
+    steps = [f for f in steps if exe_id(f) not in engine.warm]
+    if not steps and exe_id(prefill) in engine.warm:
+        return
+    exe = engine.executables
+    # The request's own host->device preparation too, on dummy prompts of the same shapes: its eager
+    # ops (the key split, the prompt's transfer) compile on their first use, ~0.1-0.2 s of the first
+    # request's time to first token otherwise.
+    _, (tokens, lens, params) = prompt_args(np.zeros((batch, bucket), np.int32),
+                                            np.full((batch,), min(16, bucket), np.int32), 0, sampling)
+    inactive = jax.device_put(np.zeros((batch,), bool))
+    if kind == "ar":
+        nxt, tcache = prefill(exe.target_params, exe.new_cache(batch, cache_len), tokens, lens, params)
+        for step in steps:  # (the loop sends the lengths each step)
+            nxt, tcache = step(exe.target_params, tcache, nxt, jax.device_put(np.asarray(lens)), params, inactive)
+        jax.block_until_ready(nxt)
+    elif kind == "dflash":
+        state = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),
+                        exe.new_drafter_cache(batch, cache_len), tokens, lens, params)
+        for step in steps:
+            state, _ = step(exe.target_params, exe.drafter_params, state, inactive, params)
+        jax.block_until_ready(state)
+    else:
+        state, _ = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),
+                           exe.new_drafter_cache(batch, cache_len), tokens, lens, params)
+        for step in steps:
+            state, _, _ = step(exe.target_params, exe.drafter_params, state, inactive, params)
+        jax.block_until_ready(state)
+    engine.warm.update(exe_id(f) for f in (prefill, *steps))  # (the prefill ran too: it made the state)
