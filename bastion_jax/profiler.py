@@ -93,7 +93,7 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
 
     from bastion_jax import compile_counter
     from bastion_jax.controller import Controller, Policy
-    from bastion_jax.latency import AR, AR_DRAFT
+    from bastion_jax.latency import AR, AR_DRAFT, held
     from bastion_jax.draft_gate import DraftGate
     from bastion_jax.tree_decoding import DRAFT, HOLD, pending_slots
     from bastion_jax.tree_loop import TreeLoop
@@ -109,8 +109,8 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
     exe = engine.executables
     prefill, steps = exe.tree(1, 16, cache_len, sampling, buckets)
     roots = exe.roots(1, cache_len, sampling) if engine.drafter is not None else {}
-    if engine.drafter is not None:  # (not timed: compiled so that a bastion request after a profile compiles nothing)
-        exe.chains(1, cache_len, sampling)
+    # The steps verifying a held lookup chain (no draft after them): timed as `held(b)` variants.
+    chains = exe.chains(1, cache_len, sampling) if engine.drafter is not None else {}
     verify, draft = exe.tree_parts(1, cache_len, buckets)
     plain = {b: exe.forward(1, cache_len, b) for b in buckets}
     plain_tokens = {b: jax.device_put(np.zeros((1, b), np.int32)) for b in buckets}
@@ -164,6 +164,12 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
                     jax.block_until_ready(out.count)
 
                 root_samples.append((variant, c, median_s(root_step, reps, warmup)))
+        for b, chain in chains.items():  # (priced by the gate as T(b, c, no draft))
+            def chain_step(chain=chain):
+                box["state"], out, _ = chain(tstate, dstate, box["state"], inactive, key)
+                jax.block_until_ready(out.count)
+
+            root_samples.append((held(b), c, median_s(chain_step, reps, warmup)))
         bar.update()
         for b in buckets:
             bar.set_postfix_str(f"bucket {b} context {c}")

@@ -111,6 +111,11 @@ def test_calibration_json_loads_into_the_controllers_model(tiny_run):
     for b in BUCKETS:
         for c in (16, 40, 100):
             assert finite_positive(lat.predict(b, c))
+    # The steps verifying a held lookup chain are fitted too: the gate prices them by their own fit.
+    held = {k for k in data["calibration"] if k.endswith(":hold")}
+    assert held and all(f"{b}:hold" in held for b in BUCKETS if 1 < b <= max(int(k[:-5]) for k in held))
+    for k in held:
+        assert finite_positive(lat.step_time(int(k[:-5]), 40, False)) and k in lat.alpha
     # The calibrated predictions reproduce the table's (same peaks, same fit).
     raw = json.loads((out / "tiny.json").read_text())
     for p in raw["points"]:
