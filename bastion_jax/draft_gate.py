@@ -107,9 +107,9 @@ class DraftGate:
     # nothing is dropped either way, and the chain's probabilities are learnt on this very text.
     chain_margin: float = 0.05
     chained: int = 0  # how many steps verified a held chain (statistics)
-    # Per chain bucket b: [realised accepted, predicted A(b), verified] of held chains verified at b:
+    # Per chain bucket b: (realised accepted, predicted A(b), verified) of held chains verified at b:
     # the chain's own rho (`chain_rho`), learnt like the drafter's.
-    chain_sums: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    chain_sums: dict[int, tuple[float, float, int]] = dataclasses.field(default_factory=dict)
 
     def observe_tree(self, curve: np.ndarray) -> None:
         """A fresh tree arrived: curve [n_buckets] = A(b) (mean over active rows)."""
@@ -152,8 +152,7 @@ class DraftGate:
     def observe_chain(self, bucket: int, predicted: float, accepted: float) -> None:
         """A held chain was verified at `bucket`, predicted to yield `predicted` accepted tokens (its
         curve at that bucket), and `accepted` were (means over active rows)."""
-        self.chain_sums[bucket] = list(self._ratio_update(self.chain_sums.get(bucket, (1.0, 1.0, 0)),
-                                                          accepted, predicted))
+        self.chain_sums[bucket] = self._ratio_update(self.chain_sums.get(bucket, (1.0, 1.0, 0)), accepted, predicted)
 
     def best(self, context: int, curve: np.ndarray | None = None) -> tuple[int, float]:
         """(bucket, tokens/s) of the best drafting step under the current estimates; `curve` [n_buckets]

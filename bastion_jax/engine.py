@@ -251,7 +251,7 @@ class Engine:
                 # tree or lookup chain pays drafts at once whatever the interval (`DraftGate.use_tree`,
                 # `root_then`), while text like the last request's is not probed from 4 again.
                 gate.probe = self._gate_memory.get("probe", gate.probe)
-                gate.chain_sums = {b: list(v) for b, v in self._gate_memory.get("chains", {}).items()}
+                gate.chain_sums = dict(self._gate_memory.get("chains", {}))
         else:
             prefill, step = (exe.ar if policy.kind == "ar" else exe.chain)(batch, bucket, cache_len, sampling)
         # Every executable this request may use runs once now, not inside the timed request.
