@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+from bastion_jax.hardware import device_kind
+
 # Peak dense bf16 FLOP/s and HBM bytes/s (datasheet values; profiling can measure better ones).
 DEVICE_PEAKS = {
     "h100": (989e12, 3350e9),
@@ -327,13 +329,6 @@ class LatencyModel:
             return self.load_json(json.loads(Path(path).read_text()), model, dtype, tree_top_k)
         except (OSError, ValueError, KeyError, TypeError):
             return False
-
-
-def device_kind() -> str:
-    """The accelerator's own name (e.g. "NVIDIA H100 80GB HBM3", "cpu"): finer than the peaks' table key."""
-    import jax
-
-    return str(jax.devices()[0].device_kind)
 
 
 def model_identity(path: str | Path) -> str:

@@ -205,7 +205,7 @@ def device() -> str:
 
     d = jax.devices()[0]
     if d.platform == "cpu":
-        from bastion_jax.checkpoints.layout_probe import cpu_name
+        from bastion_jax.hardware import cpu_name
 
         return f"CPU ({cpu_name()}), {os.cpu_count()} cores"
     return f"{d.platform.upper()} ({d.device_kind})"

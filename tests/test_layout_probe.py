@@ -109,3 +109,26 @@ def test_measure_times_both_layouts():
     x = jnp.asarray(np.random.default_rng(9).normal(size=(4, shapes[0][0])), jnp.float32)
     np.testing.assert_allclose(layout_probe._layer(x, w, True), layout_probe._layer(x, [a.T for a in w], False),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_measurements_are_keyed_by_which_cpu_measured_them(probe_env, monkeypatch):
+    """JAX names every CPU "cpu": the layout cache and the step calibration's key must tell two CPUs
+    apart, or one machine's measurements price another's steps."""
+    from bastion_jax import hardware
+    from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims
+
+    dims = ModelDims(layers=2, hidden=64, n_q=4, n_kv=2, head_dim=16, ffn=128, vocab=96, bytes_per_value=4)
+    lat = LatencyModel(dims, DevicePeaks("cpu", 1e12, 1e11), (1, 8), dims, 4)
+
+    def seen_as(info):
+        monkeypatch.setattr(hardware, "_cpuinfo", lambda: info)
+        return layout_probe._cache_path(_cfg(), jnp.dtype(jnp.float32), 30), lat.key("m", "float32", 4)
+
+    amx = {"model name": "Intel(R) Xeon(R) Processor", "vendor_id": "GenuineIntel", "cpu family": "6",
+           "model": "143", "flags": "avx2 avx512f amx_tile"}
+    older = dict(amx, model="85", flags="avx2 avx512f")  # same generic name, another chip
+    assert jax.devices()[0].platform == "cpu"
+    (path_a, key_a), (path_b, key_b) = seen_as(amx), seen_as(older)
+    assert path_a != path_b and key_a != key_b
+    assert seen_as(dict(amx)) == (path_a, key_a)  # the same CPU finds its own measurements again
+    assert hardware.device_kind().startswith("cpu: Intel(R) Xeon(R) Processor")

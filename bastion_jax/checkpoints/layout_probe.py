@@ -19,15 +19,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
-from functools import cache, partial
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bastion_jax.config import ConfigError, TargetConfig
+from bastion_jax.hardware import cpu_identity, cpu_name
 
 ENV = "BASTION_WEIGHTS_LAYOUT"
 PROBE_ROWS = (4, 16)  # tree sizes the controller verifies most (the AR step, 1 row, costs the same either way)
@@ -111,40 +111,11 @@ def _layer(x: jax.Array, weights: list[jax.Array], in_out: bool) -> jax.Array:
     return x + 1e-3 * project(spec, jax.nn.silu(project(spec, x, gate)) * project(spec, x, up), down)
 
 
-def cpu_name() -> str:
-    """The CPU's model name (what the cache file records; benchmarks name the device with it)."""
-    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
-
-
-def _cpu_identity() -> list[str]:
-    """What tells two CPUs apart for the cache key: a VM often reports a generic model name ("Intel(R)
-    Xeon(R) Processor") over different chips, so family, model number and instruction-set flags too."""
-    info = _cpuinfo()
-    flags = hashlib.sha256(" ".join(sorted(info.get("flags", "").split())).encode()).hexdigest()[:12]
-    return [cpu_name(), info.get("vendor_id", ""), info.get("cpu family", ""), info.get("model", ""), flags]
-
-
-@cache
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (empty where there is none), read once."""
-    out: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    break
-                key, _, value = line.partition(":")
-                out[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return out
-
-
 def _cache_path(cfg: TargetConfig, dtype: jnp.dtype, layers: int):
     from bastion_jax.default_model import cache_root
 
     import jaxlib
 
-    ident = json.dumps([*_cpu_identity(), os.cpu_count(), jax.__version__, jaxlib.__version__, dtype.name, layers,
+    ident = json.dumps([*cpu_identity(), jax.__version__, jaxlib.__version__, dtype.name, layers,
                         layer_shapes(cfg)])
     return cache_root() / "layout" / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
