@@ -263,6 +263,7 @@ def test_generate_empty_prompt(capsys, monkeypatch, tmp_path, argv, stdin):
     ("config-not-object", ("config.json", "expected a JSON object")),
     ("metadata-not-object", ("not a bastion_jax target checkpoint", "'v1'")),
     ("unknown-dtype", ("unknown dtype", "'float33'")),
+    ("no-dtype", ("names no dtype",)),
 ])
 def test_generate_malformed_checkpoint_is_one_error_line(capsys, _tiny, tmp_path, case, fragments):
     """A converted checkpoint with a damaged config.json is refused with one line naming it."""
@@ -272,6 +273,9 @@ def test_generate_malformed_checkpoint_is_one_error_line(capsys, _tiny, tmp_path
         (ckpt / "config.json").write_text('"bastion_jax"')
     elif case == "metadata-not-object":
         (ckpt / "config.json").write_text(json.dumps({**cfg, "bastion_jax": "v1"}))
+    elif case == "no-dtype":  # numpy would read a missing dtype as float64
+        del cfg["bastion_jax"]["dtype"]
+        (ckpt / "config.json").write_text(json.dumps(cfg))
     else:
         cfg["bastion_jax"]["dtype"] = "float33"
         (ckpt / "config.json").write_text(json.dumps(cfg))

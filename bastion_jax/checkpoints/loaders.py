@@ -112,9 +112,11 @@ def _merge(cfg, dtype: jnp.dtype, params: dict[str, Any]) -> tuple[nnx.GraphDef,
 def _stored_dtype(hf: dict[str, Any]) -> jnp.dtype | None:
     """The dtype a converted checkpoint's config.json names (None if it names none it can read:
     `_restore` then says what is wrong)."""
+    meta = hf.get("bastion_jax")
+    name = meta.get("dtype") if isinstance(meta, dict) else None
     try:
-        return jnp.dtype(hf["bastion_jax"]["dtype"])
-    except (KeyError, TypeError):
+        return None if name is None else jnp.dtype(name)  # numpy would read None as float64
+    except TypeError:
         return None
 
 
@@ -125,10 +127,11 @@ def _restore(path: Path, hf: dict[str, Any], kind: str, cfg, dtype: jnp.dtype | 
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or meta.get("kind") != kind:
         found = meta.get("kind") if isinstance(meta, dict) else meta
         raise CheckpointError(f"{path} is not a bastion_jax {kind} checkpoint (found {found!r})")
-    try:
-        stored = jnp.dtype(meta.get("dtype"))
-    except TypeError:
-        raise CheckpointError(f"{path}/config.json names an unknown dtype {meta.get('dtype')!r}") from None
+    stored = _stored_dtype(hf)
+    if stored is None:
+        if meta.get("dtype") is None:
+            raise CheckpointError(f"{path}/config.json names no dtype for its weights (bastion_jax.dtype)")
+        raise CheckpointError(f"{path}/config.json names an unknown dtype {meta.get('dtype')!r}")
     target_tree = unstack_layers(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
                                               nnx.to_pure_dict(abstract_state(cfg, stored))))
     if getattr(cfg, "weights_in_out", False):  # stored in HF layout
