@@ -26,7 +26,7 @@ def prefill_target(target, cache: KVCache, tokens: jax.Array, lengths: jax.Array
     """
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = target(tokens, positions, cache, None, causal_mask(b, t),
+    out = target(tokens, positions, cache, None, None,  # mask None: causal, attended tile by tile
                  tap_layers=tap_layers, logits_index=(lengths - 1)[:, None])
     features = out.taps if out.taps is not None else jnp.zeros((b, t, 1), jnp.float32)
     return sample(out.logits[:, 0], key, greedy), out.cache, features

@@ -165,3 +165,26 @@ def test_nothing_committed_reads_no_prefix(t):
         return fn.lower(q, k_cache, v_cache, k_new, v_new, mask).as_text().count("stablehlo.while")
 
     assert loops(None) == loops(zero) - 1 == (1 if t > 8 else 0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("t,tile", [(64, 16), (48, 16), (16, 16), (40, 16)])
+def test_causal_prefill_tiles_match_dense(t, tile, dtype, tol):
+    """mask None with nothing committed: a prefill attends tile by tile below the diagonal (t a
+    multiple of the tile, over one tile), else through the causal mask; both equal one dense causal
+    softmax, and the tiled form never forms a score block larger than [tile, tile]."""
+    rng = np.random.default_rng(t + tile)
+    b, max_len, hq, hkv, d = 2, 8, 4, 2, 8  # (hq * d = 32 is no t below: the HLO check looks for t x t)
+    q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
+    k = jnp.asarray(rng.normal(size=(b, t, hkv, d)) * 3, dtype)
+    v = jnp.asarray(rng.normal(size=(b, t, hkv, d)), dtype)
+    garbage = jnp.asarray(rng.normal(size=(b, max_len, hkv, d)), dtype)  # never read: nothing is committed
+    mask = causal_mask(b, t)
+    got = attend_split(q, garbage, garbage, None, k, v, None, prefill_tile=tile)
+    want = attend(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=tol, atol=tol)
+    masked = attend_split(q, garbage, garbage, None, k, v, mask, new_chunk=tile)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(masked, np.float32), rtol=tol, atol=tol)
+    tiled = t > tile and t % tile == 0
+    hlo = jax.jit(lambda *a: attend_split(*a, None, k, v, None, prefill_tile=tile)).lower(q, garbage, garbage)
+    assert (f"{t}x{t}x" in hlo.as_text()) is not tiled  # the [t, t] mask exists only where not tiled

@@ -70,6 +70,26 @@ def test_tapped_layers_are_hf_hidden_states(converted, arch):
     np.testing.assert_allclose(np.asarray(out.taps), ref, atol=TOL, rtol=TOL)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_long_prefill_tiles_match_transformers(converted, arch):
+    """A prompt longer than one prefill tile (300 tokens, bucket 512: two 256-token tiles) through the
+    engine's own prefill (`prefill_target`, the causal tiled attention): the first new token of each
+    row and the tapped hidden states of every real position equal transformers'."""
+    from bastion_jax.decoding import prefill_target
+
+    hf, target = converted(arch)
+    lengths = np.array([300, 261])
+    ids = np.random.default_rng(4).integers(3, hf.config.vocab_size, (2, 512))
+    model = nnx.merge(target.graphdef, target.state)
+    first, _, taps = prefill_target(model, KVCache.create(target.config, 2, 512, jnp.float32), jnp.asarray(ids),
+                                    jnp.asarray(lengths, jnp.int32), None, True, (0, 1))
+    for row, n in enumerate(lengths):
+        out = hf_logits(hf, ids[row: row + 1, :n], hidden=True)
+        assert int(first[row]) == int(out.logits[0, -1].argmax())
+        ref = np.concatenate([out.hidden_states[j + 1][0].numpy() for j in (0, 1)], axis=-1)
+        np.testing.assert_allclose(np.asarray(taps[row, :n]), ref, atol=TOL, rtol=TOL)
+
+
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,

@@ -9,7 +9,11 @@ attends to the two separately and merges them exactly with their log-sum-exps:
   the batch (`ceil(max(length) / chunk)` trips), so a step at context 256 costs the same with a
   2,048-slot or a 16,384-slot cache; on GPU this loop is where a flash-decoding kernel plugs in;
 - the new part is a dense `[t, t]` block when small, and the same chunked loop over its keys when
-  long (a prompt's prefill), so no `[t, t]` score matrix of a long prompt is ever materialised.
+  long, so no `[t, t]` score matrix of a long prompt is ever materialised;
+- a prefill (nothing committed, causal: `mask` None) longer than one tile goes tile by tile below
+  the diagonal (`causal`): half the work, and no mask to build. On CPU a 2,048-token SmolLM2
+  prefill took 20 s through the masked chunk loop (two thirds of it selects and exps over
+  full-width masked scores) and takes 7 s so.
 
 Scores, running maxima and sums are float32; probabilities, rounded to the queries' dtype, meet the
 values in that dtype with float32 accumulation (a cache held wider, `cache.storage_dtype`, is read
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 NEG_INF = jnp.finfo(jnp.float32).min
 PREFIX_CHUNK = 256  # cache slots per trip of the prefix loop
 NEW_CHUNK = 512  # new keys per trip once a step has more than this many (long prefills)
+PREFILL_TILE = 256  # queries and keys per tile of a causal prefill (`causal`)
 
 
 class Partial(NamedTuple):
@@ -48,17 +53,21 @@ def empty(q: jax.Array, kv_heads: int) -> Partial:
     return Partial(stats, jnp.zeros_like(stats), jnp.zeros((b, kv_heads, hq // kv_heads, t, d), jnp.float32))
 
 
-def update(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> Partial:
-    """Fold keys k, v [b, s, kv_heads, d] into `part`; visible: [b, t or 1, s] bool.
+def update(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array | None) -> Partial:
+    """Fold keys k, v [b, s, kv_heads, d] into `part`; visible: [b or 1, t or 1, s] bool, or None
+    when every query sees every key (no masking work at all).
 
     qg: [b, t, kv_heads, groups, d] grouped queries."""
     d = qg.shape[-1]
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(qg.dtype), preferred_element_type=jnp.float32)
     scores = scores * (d ** -0.5)  # [b, kv_heads, groups, t, s]
-    vis = visible[:, None, None]  # [b, 1, 1, t, s]
-    scores = jnp.where(vis, scores, NEG_INF)
+    if visible is not None:
+        vis = visible[:, None, None]  # [b, 1, 1, t, s]
+        scores = jnp.where(vis, scores, NEG_INF)
     m = jnp.maximum(part.m, scores.max(axis=-1))
-    p = jnp.where(vis, jnp.exp(scores - m[..., None]), 0.0)  # [b, kv_heads, groups, t, s]
+    p = jnp.exp(scores - m[..., None])  # [b, kv_heads, groups, t, s]
+    if visible is not None:
+        p = jnp.where(vis, p, 0.0)
     scale = jnp.exp(part.m - m)  # 1 while both are NEG_INF: l and acc are still 0
     # p rounded to the compute dtype (q's) whatever the cache holds (`cache.storage_dtype`: float32
     # for a bf16 model on CPU): a step reads part of its keys from the cache and part fresh, and AR
@@ -135,6 +144,32 @@ def new_keys(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax
     return chunked(part, qg, _slots(k, v), size, -(-size // chunk), chunk, visible)
 
 
+def causal(qg: jax.Array, k: jax.Array, v: jax.Array, tile: int = PREFILL_TILE) -> Partial:
+    """Causal attention of t queries over their own t keys (a prefill: nothing committed before them),
+    in tiles of `tile` queries x `tile` keys: query tile i folds key tiles 0..i-1 unmasked and its
+    diagonal tile through a lower-triangular mask, and never touches the tiles above the diagonal.
+    Half the work of folding every key through a `[t, t]` mask, no mask to build or gather, and no
+    score matrix larger than [tile, tile] per head. qg: [b, t, kv_heads, groups, d] (t a multiple of
+    `tile`); k, v: [b, t, kv_heads, d]."""
+    b, t, hkv, g, d = qg.shape
+    diagonal = jnp.tril(jnp.ones((tile, tile), bool))[None]  # [1, tile, tile]
+
+    def query_tile(i, part):
+        q_i = jax.lax.dynamic_slice_in_dim(qg, i * tile, tile, axis=1)  # [b, tile, kv_heads, groups, d]
+
+        def key_tile(j, acc):
+            k_j, v_j = (jax.lax.dynamic_slice_in_dim(x, j * tile, tile, axis=1) for x in (k, v))
+            return update(acc, q_i, k_j, v_j, None)
+
+        acc = jax.lax.fori_loop(0, i, key_tile, empty(q_i.reshape(b, tile, hkv * g, d), hkv))  # left of the diagonal
+        k_i, v_i = (jax.lax.dynamic_slice_in_dim(x, i * tile, tile, axis=1) for x in (k, v))
+        acc = update(acc, q_i, k_i, v_i, diagonal)
+        return Partial(*(jax.lax.dynamic_update_slice_in_dim(whole, x, i * tile, axis=3)
+                         for whole, x in zip(part, acc)))
+
+    return jax.lax.fori_loop(0, t // tile, query_tile, empty(qg.reshape(b, t, hkv * g, d), hkv))
+
+
 def finish(part: Partial, dtype: jnp.dtype) -> jax.Array:
     """Normalise: [b, kv_heads, groups, t, d] -> [b, t, q_heads * d]. Every query has seen a key."""
     b, hkv, g, t, d = part.acc.shape
@@ -143,11 +178,13 @@ def finish(part: Partial, dtype: jnp.dtype) -> jax.Array:
 
 
 def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array | None, k: jax.Array,
-                 v: jax.Array, mask: jax.Array, *, layer: int | jax.Array | None = None,
-                 prefix_chunk: int = PREFIX_CHUNK, new_chunk: int = NEW_CHUNK) -> jax.Array:
+                 v: jax.Array, mask: jax.Array | None, *, layer: int | jax.Array | None = None,
+                 prefix_chunk: int = PREFIX_CHUNK, new_chunk: int = NEW_CHUNK,
+                 prefill_tile: int = PREFILL_TILE) -> jax.Array:
     """Attention of q [b, t, q_heads, d] over the cache prefix (slots < length[b] of k_cache/v_cache
     [b, max_len, kv_heads, d], or of layer `layer` of stacked ones [layers, b, max_len, kv_heads, d])
-    and the new keys k, v [b, t_k, kv_heads, d] through mask [b, t, t_k].
+    and the new keys k, v [b, t_k, kv_heads, d] through mask [b, t, t_k]; mask None: causal (new
+    token i sees new tokens <= i), which a long prefill attends tile by tile (`causal`).
 
     `length` None says, at trace time, that nothing is committed (a prefill): the prefix is not
     read at all. (A constant zero length gives the same result, but XLA:GPU then constant-folds the
@@ -159,6 +196,11 @@ def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: j
 
     Returns [b, t, q_heads * d]; equal to `attend` over [prefix | new] up to float rounding."""
     qg = _group(q, k.shape[2])
+    t = q.shape[1]
+    if mask is None:
+        if length is None and t > prefill_tile and t % prefill_tile == 0:
+            return finish(causal(qg, k, v, prefill_tile), q.dtype)
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (q.shape[0], t, t))
     slots = k_cache.shape[1 if layer is None else 2]
     kernel = prefix_kernel_mode(q.shape[-1], slots)
     if length is None:

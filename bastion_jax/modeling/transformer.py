@@ -127,12 +127,13 @@ class Transformer(nnx.Module):
         return project("...h,vh->...v", hidden, w, jnp.float32)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: jax.Array | None,
-                 mask: jax.Array, *, tap_layers: Sequence[int] = (),
+                 mask: jax.Array | None, *, tap_layers: Sequence[int] = (),
                  logits_index: jax.Array | None = None, active: jax.Array | None = None) -> ForwardOutput:
         """Run `tokens` `[batch, t]` at RoPE `positions` `[batch, t]`, writing K/V at slots
         `start[b] + i`. Each token attends to every committed slot `< start[b]` and to the new
-        tokens that `mask` `[batch, t, t]` shows it (causal, or a tree's ancestors). `start` None:
-        nothing is committed yet (a prefill from slot 0; the prefix is not read).
+        tokens that `mask` `[batch, t, t]` shows it (causal, or a tree's ancestors; None: causal, which
+        a long prefill attends tile by tile, `attention.causal`). `start` None: nothing is committed
+        yet (a prefill from slot 0; the prefix is not read).
 
         `logits_index` `[batch, n]` picks which of the t positions get logits (prefill only needs
         the last real one); None means all. `tap_layers` returns the outputs of those decoder
