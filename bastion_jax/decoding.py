@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bastion_jax.modeling.attention import Causal
 from bastion_jax.modeling.cache import KVCache, causal_mask
 from bastion_jax.sampling import argmax, sample
 from bastion_jax.step_config import StepConfig
@@ -26,7 +27,7 @@ def prefill_target(target, cache: KVCache, tokens: jax.Array, lengths: jax.Array
     """
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = target(tokens, positions, cache, None, None,  # mask None: causal, attended tile by tile
+    out = target(tokens, positions, cache, None, Causal(lengths),  # attended tile by tile up to the prompt
                  tap_layers=tap_layers, logits_index=(lengths - 1)[:, None])
     features = out.taps if out.taps is not None else jnp.zeros((b, t, 1), jnp.float32)
     return sample(out.logits[:, 0], key, greedy), out.cache, features

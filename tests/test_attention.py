@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bastion_jax.modeling.attention import attend, attend_split
+from bastion_jax.modeling.attention import Causal, attend, attend_split
 from bastion_jax.modeling.cache import causal_mask, write_rows
 from bastion_jax.tree import ancestor_mask
 
@@ -170,7 +170,7 @@ def test_nothing_committed_reads_no_prefix(t):
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
 @pytest.mark.parametrize("t,tile", [(64, 16), (48, 16), (16, 16), (40, 16)])
 def test_causal_prefill_tiles_match_dense(t, tile, dtype, tol):
-    """mask None with nothing committed: a prefill attends tile by tile below the diagonal (t a
+    """A `Causal` mask with nothing committed: a prefill attends tile by tile below the diagonal (t a
     multiple of the tile, over one tile), else through the causal mask; both equal one dense causal
     softmax, and the tiled form never forms a score block larger than [tile, tile]."""
     rng = np.random.default_rng(t + tile)
@@ -180,11 +180,31 @@ def test_causal_prefill_tiles_match_dense(t, tile, dtype, tol):
     v = jnp.asarray(rng.normal(size=(b, t, hkv, d)), dtype)
     garbage = jnp.asarray(rng.normal(size=(b, max_len, hkv, d)), dtype)  # never read: nothing is committed
     mask = causal_mask(b, t)
-    got = attend_split(q, garbage, garbage, None, k, v, None, prefill_tile=tile)
+    full = Causal(jnp.full((b,), t, jnp.int32))
+    got = attend_split(q, garbage, garbage, None, k, v, full, prefill_tile=tile)
     want = attend(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=tol, atol=tol)
     masked = attend_split(q, garbage, garbage, None, k, v, mask, new_chunk=tile)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(masked, np.float32), rtol=tol, atol=tol)
     tiled = t > tile and t % tile == 0
-    hlo = jax.jit(lambda *a: attend_split(*a, None, k, v, None, prefill_tile=tile)).lower(q, garbage, garbage)
+    hlo = jax.jit(lambda *a: attend_split(*a, None, k, v, full, prefill_tile=tile)).lower(q, garbage, garbage)
     assert (f"{t}x{t}x" in hlo.as_text()) is not tiled  # the [t, t] mask exists only where not tiled
+
+
+def test_causal_prefill_skips_the_padding_tiles():
+    """Query tiles past the longest row are the bucket's padding: never attended (NaN there changes
+    no real row and leaves their own output 0), the real rows equal the dense causal softmax."""
+    rng = np.random.default_rng(7)
+    b, t, tile, hq, hkv, d = 2, 64, 16, 4, 2, 8
+    lengths = np.array([37, 20])  # the longest row ends in tile 2: tile 3 is padding for both rows
+    q, k, v = (np.asarray(rng.normal(size=(b, t, h, d)), np.float32) for h in (hq, hkv, hkv))
+    for x in (q, k, v):
+        x[:, 48:] = np.nan
+    garbage = jnp.zeros((b, 8, hkv, d))
+    got = np.asarray(jax.jit(lambda *a: attend_split(*a, prefill_tile=tile))(
+        jnp.asarray(q), garbage, garbage, None, jnp.asarray(k), jnp.asarray(v), Causal(jnp.asarray(lengths))))
+    assert np.isfinite(got).all() and (got[:, 48:] == 0).all()
+    for row, n in enumerate(lengths):
+        want = attend(jnp.asarray(q[row:row + 1, :n]), jnp.asarray(k[row:row + 1, :n]),
+                      jnp.asarray(v[row:row + 1, :n]), causal_mask(1, n))
+        np.testing.assert_allclose(got[row, :n], np.asarray(want)[0], rtol=2e-5, atol=2e-5)

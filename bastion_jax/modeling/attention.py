@@ -10,8 +10,8 @@ attends to the two separately and merges them exactly with their log-sum-exps:
   2,048-slot or a 16,384-slot cache; on GPU this loop is where a flash-decoding kernel plugs in;
 - the new part is a dense `[t, t]` block when small, and the same chunked loop over its keys when
   long, so no `[t, t]` score matrix of a long prompt is ever materialised;
-- a prefill (nothing committed, causal: `mask` None) longer than one tile goes tile by tile below
-  the diagonal (`causal`): half the work, and no mask to build. On CPU a 2,048-token SmolLM2
+- a prefill (nothing committed, a `Causal` mask) longer than one tile goes tile by tile below
+  the diagonal, up to its longest row (`causal`): half the work, and no mask to build. On CPU a 2,048-token SmolLM2
   prefill took 20 s through the masked chunk loop (two thirds of it selects and exps over
   full-width masked scores) and takes 7 s so.
 
@@ -40,6 +40,14 @@ class Partial(NamedTuple):
     m: jax.Array  # [b, kv_heads, groups, t] running max of the scores (NEG_INF: no key seen yet)
     l: jax.Array  # [b, kv_heads, groups, t] sum of exp(score - m)
     acc: jax.Array  # [b, kv_heads, groups, t, d] sum of exp(score - m) * value, float32
+
+
+class Causal(NamedTuple):
+    """The mask of a prefill, given by what defines it rather than as a `[b, t, t]` array: new token i
+    sees new tokens <= i, and only the first `lengths[b]` tokens of row b are real (the rest is the
+    bucket's padding, whose queries a long prefill does not attend at all)."""
+
+    lengths: jax.Array  # [b] int32
 
 
 def _group(q: jax.Array, kv_heads: int) -> jax.Array:
@@ -144,13 +152,14 @@ def new_keys(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax
     return chunked(part, qg, _slots(k, v), size, -(-size // chunk), chunk, visible)
 
 
-def causal(qg: jax.Array, k: jax.Array, v: jax.Array, tile: int = PREFILL_TILE) -> Partial:
+def causal(qg: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tile: int = PREFILL_TILE) -> Partial:
     """Causal attention of t queries over their own t keys (a prefill: nothing committed before them),
     in tiles of `tile` queries x `tile` keys: query tile i folds key tiles 0..i-1 unmasked and its
     diagonal tile through a lower-triangular mask, and never touches the tiles above the diagonal.
     Half the work of folding every key through a `[t, t]` mask, no mask to build or gather, and no
-    score matrix larger than [tile, tile] per head. qg: [b, t, kv_heads, groups, d] (t a multiple of
-    `tile`); k, v: [b, t, kv_heads, d]."""
+    score matrix larger than [tile, tile] per head. Query tiles past the batch's longest row,
+    lengths [b], are padding and not attended (their output is 0). qg: [b, t, kv_heads, groups, d]
+    (t a multiple of `tile`); k, v: [b, t, kv_heads, d]."""
     b, t, hkv, g, d = qg.shape
     diagonal = jnp.tril(jnp.ones((tile, tile), bool))[None]  # [1, tile, tile]
 
@@ -167,7 +176,9 @@ def causal(qg: jax.Array, k: jax.Array, v: jax.Array, tile: int = PREFILL_TILE) 
         return Partial(*(jax.lax.dynamic_update_slice_in_dim(whole, x, i * tile, axis=3)
                          for whole, x in zip(part, acc)))
 
-    return jax.lax.fori_loop(0, t // tile, query_tile, empty(qg.reshape(b, t, hkv * g, d), hkv))
+    skipped = empty(qg.reshape(b, t, hkv * g, d), hkv)
+    skipped = skipped._replace(l=jnp.ones_like(skipped.l))  # finish() gives 0, not 0 / 0, where not attended
+    return jax.lax.fori_loop(0, (jnp.max(lengths) + tile - 1) // tile, query_tile, skipped)
 
 
 def finish(part: Partial, dtype: jnp.dtype) -> jax.Array:
@@ -178,13 +189,13 @@ def finish(part: Partial, dtype: jnp.dtype) -> jax.Array:
 
 
 def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array | None, k: jax.Array,
-                 v: jax.Array, mask: jax.Array | None, *, layer: int | jax.Array | None = None,
+                 v: jax.Array, mask: jax.Array | Causal, *, layer: int | jax.Array | None = None,
                  prefix_chunk: int = PREFIX_CHUNK, new_chunk: int = NEW_CHUNK,
                  prefill_tile: int = PREFILL_TILE) -> jax.Array:
     """Attention of q [b, t, q_heads, d] over the cache prefix (slots < length[b] of k_cache/v_cache
     [b, max_len, kv_heads, d], or of layer `layer` of stacked ones [layers, b, max_len, kv_heads, d])
-    and the new keys k, v [b, t_k, kv_heads, d] through mask [b, t, t_k]; mask None: causal (new
-    token i sees new tokens <= i), which a long prefill attends tile by tile (`causal`).
+    and the new keys k, v [b, t_k, kv_heads, d] through mask [b, t, t_k], or a `Causal` mask, which a
+    long prefill attends tile by tile (`causal`).
 
     `length` None says, at trace time, that nothing is committed (a prefill): the prefix is not
     read at all. (A constant zero length gives the same result, but XLA:GPU then constant-folds the
@@ -197,9 +208,9 @@ def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: j
     Returns [b, t, q_heads * d]; equal to `attend` over [prefix | new] up to float rounding."""
     qg = _group(q, k.shape[2])
     t = q.shape[1]
-    if mask is None:
+    if isinstance(mask, Causal):
         if length is None and t > prefill_tile and t % prefill_tile == 0:
-            return finish(causal(qg, k, v, prefill_tile), q.dtype)
+            return finish(causal(qg, k, v, mask.lengths, prefill_tile), q.dtype)
         mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (q.shape[0], t, t))
     slots = k_cache.shape[1 if layer is None else 2]
     kernel = prefix_kernel_mode(q.shape[-1], slots)

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from bastion_jax.config import TargetConfig
-from bastion_jax.modeling.attention import attend_split, prefix_kernel_setting
+from bastion_jax.modeling.attention import Causal, attend_split, prefix_kernel_setting
 from bastion_jax.modeling.cache import KVCache
 from bastion_jax.modeling.layers import (MLP, Embedding, Linear, RMSNorm, apply_rope, project, rope_cos_sin,
                                          rope_inv_freq)
@@ -127,12 +127,12 @@ class Transformer(nnx.Module):
         return project("...h,vh->...v", hidden, w, jnp.float32)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: jax.Array | None,
-                 mask: jax.Array | None, *, tap_layers: Sequence[int] = (),
+                 mask: jax.Array | Causal, *, tap_layers: Sequence[int] = (),
                  logits_index: jax.Array | None = None, active: jax.Array | None = None) -> ForwardOutput:
         """Run `tokens` `[batch, t]` at RoPE `positions` `[batch, t]`, writing K/V at slots
         `start[b] + i`. Each token attends to every committed slot `< start[b]` and to the new
-        tokens that `mask` `[batch, t, t]` shows it (causal, or a tree's ancestors; None: causal, which
-        a long prefill attends tile by tile, `attention.causal`). `start` None: nothing is committed
+        tokens that `mask` `[batch, t, t]` shows it (causal, or a tree's ancestors; a prefill passes
+        `attention.Causal(lengths)`, which a long prompt attends tile by tile). `start` None: nothing is committed
         yet (a prefill from slot 0; the prefix is not read).
 
         `logits_index` `[batch, n]` picks which of the t positions get logits (prefill only needs
