@@ -29,6 +29,7 @@ from bastion_jax.executables import Executables
 from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims
 from bastion_jax.datastore import Datastore, resolve_datastore
 from bastion_jax.lookup import LookupConfig
+from bastion_jax.modeling.attention import PREFILL_TILE
 from bastion_jax.sampling import SamplingConfig
 from bastion_jax.speculative import DraftVocab, resolve_draft_vocab
 from bastion_jax.stats import Result, Rows, Stats
@@ -51,7 +52,14 @@ def next_pow2(n: int) -> int:
 
 
 def prefill_bucket(n: int, cache_len: int, minimum: int = 16) -> int:
-    return min(max(minimum, next_pow2(n)), cache_len)
+    """The prompt length a prefill is compiled for: a power of two up to two prefill tiles, then a
+    multiple of the tile, capped at the cache. A long prompt pads at most one tile less a token
+    (powers of two padded a 1,377-token prompt to 2,048: 49% more rows through every matmul); the
+    cache length (rounded to 256, `cache_len_for`) keys the executables at that grain anyway."""
+    bucket = max(minimum, next_pow2(n))
+    if bucket > 2 * PREFILL_TILE:
+        bucket = -(-n // PREFILL_TILE) * PREFILL_TILE
+    return min(bucket, cache_len)
 
 
 class Engine:

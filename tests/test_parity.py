@@ -90,6 +90,36 @@ def test_long_prefill_tiles_match_transformers(converted, arch):
         np.testing.assert_allclose(np.asarray(taps[row, :n]), ref, atol=TOL, rtol=TOL)
 
 
+def test_long_prompts_pad_to_a_tile_and_decode_as_transformers(tmp_path):
+    """Prompts over two prefill tiles pad to a multiple of the tile (600 -> 768, not 1024) and all
+    modes decode them exactly as transformers' greedy generate does (a batch of two lengths)."""
+    from bastion_jax.checkpoints import load_target, random_drafter
+    from bastion_jax.engine import prefill_bucket
+    from bastion_jax.testing import save_tiny_hf, tiny_drafter_config
+
+    assert [prefill_bucket(n, 4096) for n in (5, 200, 512, 513, 600, 1377, 2048)] == [16, 256, 512, 768, 768,
+                                                                                     1536, 2048]
+    assert prefill_bucket(600, 700) == 700  # never past the cache
+    hf = save_tiny_hf("qwen3", tmp_path, max_position_embeddings=1024)
+    target = load_target(tmp_path, jnp.float32)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, hf.config.vocab_size, n).tolist() for n in (600, 530)]
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=4), seed=1)
+    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4), top_k=2)
+    refs = [hf_greedy_free(hf, p, 6) for p in prompts]
+    for mode in ("ar", "bastion"):
+        assert engine.generate(prompts, max_new_tokens=6, mode=mode).tokens == refs, mode
+
+
+def hf_greedy_free(hf, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens of transformers with no stop token."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long), eos_token_id=None,
+                          pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
