@@ -51,11 +51,23 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def cache_class(need: int) -> int:
+    """The smallest of 256, 384, 512, 768, 1024, 1536, ... (powers of two and 1.5 times them) that
+    holds `need` slots. Every executable is compiled per cache length, and a step's cost follows
+    its live context, not the cache's size (`modeling.attention`), so coarse classes cost memory
+    only (less than half again the slots needed), while requests of different lengths share their compiled
+    steps: from 512 to 8,192 slots 8 classes instead of the 31 of a 256-slot grain (a new class is
+    a dozen compilations for bastion, ~50 s on a 2-core CPU)."""
+    size = 256
+    while size < need:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
 def prefill_bucket(n: int, cache_len: int, minimum: int = 16) -> int:
     """The prompt length a prefill is compiled for: a power of two up to two prefill tiles, then a
     multiple of the tile, capped at the cache. A long prompt pads at most one tile less a token
-    (powers of two padded a 1,377-token prompt to 2,048: 49% more rows through every matmul); the
-    cache length (rounded to 256, `cache_len_for`) keys the executables at that grain anyway."""
+    (powers of two padded a 1,377-token prompt to 2,048: 49% more rows through every matmul)."""
     bucket = max(minimum, next_pow2(n))
     if bucket > 2 * PREFILL_TILE:
         bucket = -(-n // PREFILL_TILE) * PREFILL_TILE
@@ -178,8 +190,9 @@ class Engine:
                       slack: int = 0) -> int:
         """The KV cache length that holds the longest prompt + `max_new_tokens` + `slack` (the slots a
         step writes past the committed length): `max_len` if given (an error if it is too small: an
-        answer is never cut short silently), else that sum rounded up to 256 and capped at the
-        model's positions (only speculative slots, never committed tokens, may run past them)."""
+        answer is never cut short silently), else that sum rounded up to a size class
+        (`cache_class`) and capped at the model's positions (only speculative slots, never committed
+        tokens, may run past them)."""
         longest = max(prompt_lens)
         limit = self.target.config.max_position_embeddings
         need = longest + max_new_tokens + slack
@@ -189,7 +202,7 @@ class Engine:
                     f"the prompt ({longest} tokens) + {max_new_tokens} new tokens (--max-new-tokens) = "
                     f"{longest + max_new_tokens} exceed the model's context of {limit} positions; lower "
                     "--max-new-tokens or shorten the prompt")
-            return max(need, min(-(-need // 256) * 256, limit))
+            return max(need, min(cache_class(need), limit))
         if max_len > limit:
             raise GenerationError(f"--max-len {max_len} exceeds the model's context of {limit} positions")
         if need > max_len:

@@ -44,6 +44,27 @@ def test_answer_is_never_cut_short_at_the_models_positions(pair):
         engine.generate([prompt], max_new_tokens=508, mode="ar")
 
 
+def test_requests_of_different_lengths_share_a_cache_class(pair):
+    """The cache is sized to a class (256, 384, 512, 768, ...: powers of two and 1.5x them), so
+    requests whose prompt + budget land in one class reuse every compiled step: a second request
+    185 tokens longer compiles only its prompt's prefill (a 256-slot grain would have sized 1,100
+    and 1,300 slots apart: 1,280 and 1,536)."""
+    from bastion_jax.engine import cache_class
+
+    assert [cache_class(n) for n in (1, 256, 257, 385, 513, 769, 1025, 1537, 6145)] == [
+        256, 256, 384, 512, 768, 1024, 1536, 2048, 8192]
+    assert all(n <= cache_class(n) < 1.5 * n for n in range(257, 20000, 7))  # less than half again
+    _, engine = pair
+    slack = engine.slack("bastion")
+    assert cache_class(1100) == cache_class(1300) == 1536
+    short, long = [5, 9, 11, 40, 41], list(range(3, 40)) * 5  # 5 and 185 tokens
+    assert [engine.cache_len_for([len(p)], 40, None, slack) for p in (short, long)] == [256, 256]
+    engine.generate([short], max_new_tokens=40, mode="bastion")
+    before = engine.compilations
+    engine.generate([long], max_new_tokens=40, mode="bastion")
+    assert engine.compilations == before + 1  # the 256-token prefill; no step compiled again
+
+
 @pytest.mark.parametrize("mode, slack", [("ar", 0), ("dflash", BLOCK), ("fixed:4", None)])
 def test_an_explicit_cache_too_small_is_refused_naming_the_numbers(pair, mode, slack):
     _, engine = pair
