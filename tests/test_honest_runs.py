@@ -220,3 +220,22 @@ def test_gguf_dtype_is_its_float_matrices_or_float32_when_quantised():
     assert gguf_dtype(tensors(Q.Q4_1, Q.Q8_0)) == "float32"  # dequantised to float32
     assert gguf_dtype(tensors(Q.F16, Q.Q4_1)) == "float32"
     assert gguf_dtype(tensors(Q.F16, Q.BF16)) == "float32"  # mixed floats: the widest
+
+
+def test_warm_up_runs_the_prefills_key_tile_loop(pair, monkeypatch):
+    """A prompt bucket over one prefill tile is warmed with a prompt over one tile, so the tiled
+    prefill's loop over the key tiles left of the diagonal runs at warm-up (a loop body first run
+    inside the request pays its first-run cost there: ~0.35 s of a 1,377-token CPU prefill)."""
+    from bastion_jax import warmup
+    from bastion_jax.modeling.attention import PREFILL_TILE
+
+    seen = []
+    real = warmup.prompt_args
+    monkeypatch.setattr(warmup, "prompt_args", lambda padded, lens, *a: seen.append((padded.shape[1], int(lens[0])))
+                        or real(padded, lens, *a))
+    target, _ = pair
+    engine = Engine(target, stop_ids=[-1])
+    for n in (5, 400):
+        engine.generate([[3 + i % 90 for i in range(n)]], max_new_tokens=4, mode="ar")
+    # (bucket, length) of each warm-up's dummy prompt, then of the request's own
+    assert seen == [(16, 16), (16, 5), (512, PREFILL_TILE + 16), (512, 400)]
