@@ -55,9 +55,9 @@ def cache_class(need: int) -> int:
     """The smallest of 256, 384, 512, 768, 1024, 1536, ... (powers of two and 1.5 times them) that
     holds `need` slots. Every executable is compiled per cache length, and a step's cost follows
     its live context, not the cache's size (`modeling.attention`), so coarse classes cost memory
-    only (less than half again the slots needed), while requests of different lengths share their compiled
-    steps: from 512 to 8,192 slots 8 classes instead of the 31 of a 256-slot grain (a new class is
-    a dozen compilations for bastion, ~50 s on a 2-core CPU)."""
+    only (less than half again the slots needed), while requests of different lengths share their
+    compiled steps: from 512 to 8,192 slots 8 classes instead of the 31 of a 256-slot grain (a new
+    class is a dozen compilations for bastion, ~50 s on a 2-core CPU)."""
     size = 256
     while size < need:
         size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3

@@ -11,9 +11,9 @@ attends to the two separately and merges them exactly with their log-sum-exps:
 - the new part is a dense `[t, t]` block when small, and the same chunked loop over its keys when
   long, so no `[t, t]` score matrix of a long prompt is ever materialised;
 - a prefill (nothing committed, a `Causal` mask) longer than one tile goes tile by tile below
-  the diagonal, up to its longest row (`causal`): half the work, and no mask to build. On CPU a 2,048-token SmolLM2
-  prefill took 20 s through the masked chunk loop (two thirds of it selects and exps over
-  full-width masked scores) and takes 7 s so.
+  the diagonal, up to its longest row (`causal`): half the work, and no mask to build. On CPU a
+  2,048-token SmolLM2 prefill took 20 s through the masked chunk loop (two thirds of it selects
+  and exps over full-width masked scores) and takes 7 s so.
 
 Scores, running maxima and sums are float32; probabilities, rounded to the queries' dtype, meet the
 values in that dtype with float32 accumulation (a cache held wider, `cache.storage_dtype`, is read
