@@ -276,11 +276,9 @@ class Engine:
         else:
             prefill, step = (exe.ar if policy.kind == "ar" else exe.chain)(batch, bucket, cache_len, sampling)
         # Every executable this request may use runs once now, not inside the timed request.
-        if policy.uses_tree:
-            warmup.warm_up(self, policy.kind, batch, bucket, cache_len, sampling, prefill,
-                           [*steps.values(), *(roots or {}).values(), *(chains or {}).values()])
-        else:
-            warmup.warm_up(self, policy.kind, batch, bucket, cache_len, sampling, prefill, [step])
+        used = ([*steps.values(), *(roots or {}).values(), *(chains or {}).values()] if policy.uses_tree
+                else [step])
+        warmup.warm_up(self, policy.kind, batch, bucket, cache_len, sampling, prefill, used)
         stats.compile_s += time.perf_counter() - t0
 
         t0 = time.perf_counter()

@@ -198,8 +198,9 @@ class LatencyModel:
         """Uncalibrated roofline seconds of one step. `b` is a bucket (verify b nodes, then draft one
         block), "ar" (a root step: one target token, no draft), "ar+draft" (a root step that drafts) or
         `held(b)` (verify b nodes, no draft)."""
-        if held_bucket(b) is not None:
-            return self.target.roofline(self.peaks, held_bucket(b), c, self.batch)
+        verified = held_bucket(b)
+        if verified is not None:
+            return self.target.roofline(self.peaks, verified, c, self.batch)
         if b in (AR, AR_DRAFT):
             t = self.target.roofline(self.peaks, 1, c, self.batch)
             return t + (self.draft_raw(c) if b == AR_DRAFT else 0.0)

@@ -104,13 +104,13 @@ def warm_up(engine: "Engine", kind: str, batch: int, bucket: int, cache_len: int
     if not steps and exe_id(prefill) in engine.warm:
         return
     exe = engine.executables
-    # The request's own host->device preparation too, on dummy prompts of the same shapes: its eager
-    # ops (the key split, the prompt's transfer) compile on their first use, ~0.1-0.2 s of the first
-    # request's time to first token otherwise.
     # A prompt over one prefill tile, where the bucket has two: the tiled prefill's loop over the key
     # tiles left of the diagonal runs then (a loop body first run inside the request costs ~0.35 s of
     # a 1,377-token prompt's prefill on CPU), while the padding tiles stay skipped (cheap).
     warm_len = PREFILL_TILE + 16 if bucket > PREFILL_TILE else 16
+    # The request's own host->device preparation too, on dummy prompts of the same shapes: its eager
+    # ops (the key split, the prompt's transfer) compile on their first use, ~0.1-0.2 s of the first
+    # request's time to first token otherwise.
     _, (tokens, lens, params) = prompt_args(np.zeros((batch, bucket), np.int32),
                                             np.full((batch,), min(warm_len, bucket), np.int32), 0, sampling)
     inactive = jax.device_put(np.zeros((batch,), bool))
