@@ -59,6 +59,7 @@ def test_requests_of_different_lengths_share_a_cache_class(pair):
     assert cache_class(1100) == cache_class(1300) == 1536
     short, long = [5, 9, 11, 40, 41], list(range(3, 40)) * 5  # 5 and 185 tokens
     assert [engine.cache_len_for([len(p)], 40, None, slack) for p in (short, long)] == [256, 256]
+    assert engine.cache_len_for([300], 40, None, slack) == 384  # the engine sizes by class (a 256 grain: 512)
     engine.generate([short], max_new_tokens=40, mode="bastion")
     before = engine.compilations
     engine.generate([long], max_new_tokens=40, mode="bastion")
