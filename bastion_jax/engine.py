@@ -279,6 +279,7 @@ class Engine:
         used = ([*steps.values(), *(roots or {}).values(), *(chains or {}).values()] if policy.uses_tree
                 else [step])
         warmup.warm_up(self, policy.kind, batch, bucket, cache_len, sampling, prefill, used)
+        exe.ready()  # (nothing compiles on a worker thread once the request runs)
         stats.compile_s += time.perf_counter() - t0
 
         t0 = time.perf_counter()

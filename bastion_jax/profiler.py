@@ -115,6 +115,7 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
     plain = {b: exe.forward(1, cache_len, b) for b in buckets}
     plain_tokens = {b: jax.device_put(np.zeros((1, b), np.int32)) for b in buckets}
     _, ar_step = exe.ar(1, 16, cache_len, sampling)
+    exe.ready()
     compile_s = time.perf_counter() - t0
     bar.update()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import jax
@@ -80,18 +81,41 @@ def calibrate(engine: "Engine", cache_len: int, sampling: SamplingConfig, contex
     # Rounds over every point rather than each point's runs back to back: a slow spell of the machine
     # then lands on all buckets alike instead of pricing one of them high (four back-to-back
     # calibrations priced bucket 8 at 36.0-42.7 ms, once below bucket 4, which decides buckets).
-    for r in range(reps + 1):  # the first round is a warm-up
+    state = first_runs(list(variants.values()), state,
+                       lambda f, s: f(exe.target_params, exe.drafter_params, s, inactive, key))
+    engine.warm.update(exe_id(f) for f in variants.values())
+    for _ in range(reps):
         for b, c in points:
             state = state.replace(length=jnp.full((batch,), c, jnp.int32))
             t0 = time.perf_counter()
             state, out, _ = variants[b](exe.target_params, exe.drafter_params, state, inactive, key)
             jax.block_until_ready(out.count)
-            engine.warm.add(exe_id(variants[b]))
-            if r:
-                times[(b, c)].append(time.perf_counter() - t0)
+            times[(b, c)].append(time.perf_counter() - t0)
     samples = [(b, c, statistics.median(times[(b, c)])) for b, c in points]
     engine.latency.fit(samples)
     return samples
+
+
+def first_runs(steps: Sequence[Callable], state, call: Callable):
+    """Run every step once, `call(step, state) -> (state, ...)`, on scratch state (a step donates it),
+    outputs dropped; returns a state to go on with.
+
+    On XLA:CPU an executable's first run is mostly one-off set-up on the calling thread (~1 s per
+    SmolLM2 tree step), so there two steps at a time run, each on its own copy of the state, beside
+    the loads and compiles still going on (`Executables.compiled`): the warm-up of a warm bastion
+    request's 12 steps 15-16 -> 10-11 s on 2 cores. Elsewhere one after the other, the state passed
+    on: nothing to gain there, and each copy of the caches would cost device memory."""
+    if jax.default_backend() != "cpu":
+        for step in steps:
+            state = call(step, state)[0]
+        return jax.block_until_ready(state)
+
+    def one(step):
+        jax.block_until_ready(call(step, jax.tree.map(jnp.copy, state)))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(one, steps))  # (re-raises a step's error)
+    return state
 
 
 def warm_up(engine: "Engine", kind: str, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig,
@@ -128,7 +152,5 @@ def warm_up(engine: "Engine", kind: str, batch: int, bucket: int, cache_len: int
     else:
         state, _ = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),
                            exe.new_drafter_cache(batch, cache_len), tokens, lens, params)
-        for step in steps:
-            state, _, _ = step(exe.target_params, exe.drafter_params, state, inactive, params)
-        jax.block_until_ready(state)
+        first_runs(steps, state, lambda f, s: f(exe.target_params, exe.drafter_params, s, inactive, params))
     engine.warm.update(exe_id(f) for f in (prefill, *steps))  # (the prefill ran too: it made the state)

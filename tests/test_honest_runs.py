@@ -109,6 +109,9 @@ class _Spy:
         self.calls.append(self.key)
         return self.exe(*args)
 
+    def __getattr__(self, name):  # (the executable's own: `result` for `Executables.ready`)
+        return getattr(self.exe, name)
+
 
 @pytest.mark.parametrize("mode", ["ar", "dflash", "fixed:4", "bastion"])
 def test_every_executable_runs_once_before_the_request_is_timed(converted, monkeypatch, mode):

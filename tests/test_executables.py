@@ -1,0 +1,68 @@
+"""`Executables` compiles off the main thread: a step is lowered where it is asked for (Python, under
+the GIL) and compiled or loaded from the persistent cache on a worker, so the next step lowers
+meanwhile; calls wait for it, `ready()` waits for all, and a failed compile says so at the call."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from bastion_jax.executables import Compiling, Executables
+from bastion_jax.sampling import SamplingConfig, sampler
+
+
+def _executables(target) -> Executables:
+    return Executables(target, None, proposal=None, block_size=None, mask_token_id=0, buckets=(1,), top_k=1,
+                       draft_vocab=None)
+
+
+def test_a_step_compiles_on_a_worker_and_its_call_waits_for_it(converted, monkeypatch):
+    model, target = converted("llama3")
+    exe = _executables(target)
+    asked = threading.Event()  # set once `ar` has returned both steps
+    seen: list[tuple[str, bool]] = []
+    compile_ = jax.stages.Lowered.compile
+
+    def slow_compile(self, *args, **kwargs):
+        # A compile done inline would wait here in vain (ar() cannot return first) and see False.
+        seen.append((threading.current_thread().name, asked.wait(timeout=10)))
+        return compile_(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", slow_compile)
+    prefill, step = exe.ar(1, 16, 64, SamplingConfig())
+    asked.set()
+    assert isinstance(prefill, Compiling) and isinstance(step, Compiling) and exe.compilations == 2
+    exe.ready()
+    assert len(seen) == 2 and all(ok for _, ok in seen), seen
+    assert all(name != threading.main_thread().name for name, _ in seen), seen
+
+    # The compiled prefill works as before: its token is transformers' greedy choice.
+    import torch
+
+    prompt = [3, 17, 29, 41, 7]
+    tokens = np.zeros((1, 16), np.int32)
+    tokens[0, :5] = prompt
+    nxt, _ = prefill(exe.target_params, exe.new_cache(1, 64), tokens, np.array([5], np.int32),
+                     sampler(jax.random.PRNGKey(0), SamplingConfig()))
+    with torch.no_grad():
+        want = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+    assert int(np.asarray(nxt)[0]) == want
+    assert exe.ar(1, 16, 64, SamplingConfig()) == (prefill, step) and exe.compilations == 2  # table hit
+
+
+def test_a_failed_compile_is_raised_at_the_call(converted, monkeypatch):
+    _, target = converted("llama3")
+    exe = _executables(target)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("XLA ran out of memory compiling this step")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", broken)
+    prefill, _ = exe.ar(1, 16, 64, SamplingConfig())
+    with pytest.raises(RuntimeError, match="out of memory"):
+        prefill(exe.target_params)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        exe.ready()
