@@ -196,12 +196,18 @@ def expected_length(chain: Chain) -> jax.Array:
     return jnp.sum(jnp.where(chain.tokens >= 0, chain.first[..., None] * chain.cont[..., None] ** d, 0.0), axis=-1)
 
 
+@partial(jax.jit, static_argnums=0)
 def current_chain(cfg: LookupConfig, state: LookupState, root_pos: jax.Array, store: Datastore | None = None
                   ) -> Chain:
     """The chain after the root at `root_pos` [b], with this text's learnt probabilities (batched):
     the context lookup's, or the datastore's (`datastore.py`) where that one promises more accepted
     tokens. Its `order` is the class its outcomes count in: the match length n for the context's,
-    max_ngram + 1 + the datastore class for the datastore's."""
+    max_ngram + 1 + the datastore class for the datastore's.
+
+    A nested jit: every step runs it on the same shapes, so it is traced and lowered once per
+    step's program rather than in each of a request's ~10 steps (~0.35 s each on CPU, the
+    datastore's vmapped search most of it, on every run: the persistent compilation cache keys on
+    the lowered program); XLA inlines the call, so the compiled step is the same."""
     depth = state.chain.shape[1]
     first, cont = jax.vmap(partial(probabilities, cfg, store=store))(state.counts)  # [b, C] each
     ctx = jax.vmap(find_chain, in_axes=(None, 0, 0, None, 0))(cfg, state.history, root_pos, depth,

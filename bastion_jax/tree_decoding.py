@@ -76,13 +76,21 @@ def _next_tree(cfg: StepConfig, target, drafter, drafter_cache, features, ctx_st
     logits, drafter_cache = draft_logits(target, drafter, drafter_cache, features, ctx_start, ctx_len, root,
                                          block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                                          proposal=cfg.proposal, draft_vocab=draft_vocab, active=active)
-    buckets = cfg.buckets
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [b, B-1, vocab or N]
     ids = draft_vocab.ids if draft_vocab is not None else None  # columns of a reduced vocabulary -> token ids
-    tree = jax.vmap(build_tree, in_axes=(0, 0, None, None, None, 0 if chain is not None else None))(
-        root, log_probs, max(buckets), cfg.top_k, ids, chain)
-    curve = jax.vmap(surrogate_curve, in_axes=(0, None))(tree, buckets)  # [b, n_buckets]
+    tree, curve = _trees(cfg.buckets, cfg.top_k, root, logits, ids, chain)
     return tree, curve, drafter_cache
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _trees(buckets: tuple[int, ...], top_k: int, root: jax.Array, logits: jax.Array, ids: Optional[jax.Array],
+           chain: Optional[Chain]) -> tuple[Tree, jax.Array]:
+    """Every row's best-first tree from the draft's logits [b, B-1, vocab or N], and its surrogate
+    curve [b, n_buckets]. A nested jit, like `lookup.current_chain`: traced and lowered once per
+    program instead of in each drafting step (XLA inlines it)."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [b, B-1, vocab or N]
+    tree = jax.vmap(build_tree, in_axes=(0, 0, None, None, None, 0 if chain is not None else None))(
+        root, log_probs, max(buckets), top_k, ids, chain)
+    return tree, jax.vmap(surrogate_curve, in_axes=(0, None))(tree, buckets)
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("target_cache", "drafter_cache"))
