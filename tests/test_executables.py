@@ -66,3 +66,37 @@ def test_a_failed_compile_is_raised_at_the_call(converted, monkeypatch):
         prefill(exe.target_params)
     with pytest.raises(RuntimeError, match="out of memory"):
         exe.ready()
+
+
+def test_what_every_step_repeats_is_traced_once(converted, monkeypatch):
+    """A run lowers its steps anew each time (the persistent cache keys on the lowered program), so
+    what every step repeats (the drafter's call, the tree build, the lookup's chain) is a nested jit,
+    traced once for all the steps of a shape rather than once in each of them."""
+    from bastion_jax import lookup, tree_decoding
+    from bastion_jax.checkpoints import random_drafter
+    from bastion_jax.engine import Engine
+    from bastion_jax.modeling.drafter import Drafter
+    from bastion_jax.testing import tiny_drafter_config
+
+    traces = {"drafter": 0, "tree": 0, "chain": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            traces[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(Drafter, "__call__", counting("drafter", Drafter.__call__))
+    monkeypatch.setattr(tree_decoding, "build_tree", counting("tree", tree_decoding.build_tree))
+    monkeypatch.setattr(lookup, "find_chain", counting("chain", lookup.find_chain))
+    jax.clear_caches()  # (traces made by earlier tests would hide the count)
+    _, target = converted("llama3")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=4), seed=1)
+    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4), top_k=4)
+    exe = engine.executables
+    _, steps = exe.tree(1, 16, 64, SamplingConfig(), [1, 4])
+    roots = exe.roots(1, 64, SamplingConfig())
+    chains = exe.chains(1, 64, SamplingConfig())
+    assert len(steps) + len(roots) + len(chains) >= 6  # 3 steps draft, all 6 look up a chain
+    # The drafter: once for the prefill (nothing cached yet: other arguments) and once for the steps.
+    assert traces == {"drafter": 2, "tree": 1, "chain": 1}
