@@ -89,14 +89,14 @@ def test_what_every_step_repeats_is_traced_once(converted, monkeypatch):
     monkeypatch.setattr(Drafter, "__call__", counting("drafter", Drafter.__call__))
     monkeypatch.setattr(tree_decoding, "build_tree", counting("tree", tree_decoding.build_tree))
     monkeypatch.setattr(lookup, "find_chain", counting("chain", lookup.find_chain))
-    jax.clear_caches()  # (traces made by earlier tests would hide the count)
     _, target = converted("llama3")
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=4), seed=1)
-    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4), top_k=4)
+    # Shapes no other test uses (buckets, tree width, cache length), so nothing is traced already.
+    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 3), top_k=3)
     exe = engine.executables
-    _, steps = exe.tree(1, 16, 64, SamplingConfig(), [1, 4])
-    roots = exe.roots(1, 64, SamplingConfig())
-    chains = exe.chains(1, 64, SamplingConfig())
+    _, steps = exe.tree(1, 16, 88, SamplingConfig(), [1, 3])
+    roots = exe.roots(1, 88, SamplingConfig())
+    chains = exe.chains(1, 88, SamplingConfig())
     assert len(steps) + len(roots) + len(chains) >= 6  # 3 steps draft, all 6 look up a chain
     # The drafter: once for the prefill (nothing cached yet: other arguments) and once for the steps.
     assert traces == {"drafter": 2, "tree": 1, "chain": 1}
