@@ -74,13 +74,15 @@ _POOL_LOCK = threading.Lock()
 
 
 def _pool() -> ThreadPoolExecutor:
-    """The process's compile workers (XLA compiles are multi-threaded already; a few at once keep the
-    cores busy while Python lowers the next step)."""
+    """The process's compile workers. On CPU a few at once (XLA:CPU compiles use ~1.5 cores each;
+    loads from the cache one). On an accelerator one, still beside the lowering: XLA:GPU autotunes
+    kernels on the device while compiling, and compiles side by side would time them against each
+    other."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=min(4, max(2, os.cpu_count() or 2)),
-                                       thread_name_prefix="bastion-compile")
+            workers = min(4, max(2, os.cpu_count() or 2)) if jax.default_backend() == "cpu" else 1
+            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bastion-compile")
         return _POOL
 
 
