@@ -42,8 +42,9 @@ def calibration_path(engine, model: str):
     return cache_root() / "calibration" / f"{key}.json"
 
 
-def load_or_calibrate(engine, model: str, cache_len: int, sampling, skip: bool, log) -> str:
-    """Reuse the calibration saved for exactly this setting, else profile now (unless `skip`).
+def load_or_calibrate(engine, model: str, cache_len: int, sampling, skip: bool, log, prompt_bucket: int = 16) -> str:
+    """Reuse the calibration saved for exactly this setting, else profile now (unless `skip`), from a
+    prefill at `prompt_bucket` (the coming request's, so that its prefill compiles once).
     Only a run that profiled writes the file, right after the fit: online (EMA) corrections made
     while generating never reach it. Returns "reused", "profiled" or "skipped"."""
     path = calibration_path(engine, model)
@@ -55,7 +56,7 @@ def load_or_calibrate(engine, model: str, cache_len: int, sampling, skip: bool, 
         log("latency calibration: skipped (roofline + online correction; nothing saved)")
         return "skipped"
     t0 = time.perf_counter()
-    samples = engine.calibrate(cache_len, sampling)
+    samples = engine.calibrate(cache_len, sampling, prompt_bucket=prompt_bucket)
     engine.latency.save(path, model, dtype, engine.top_k)
     log(f"latency calibration: profiled {len(samples)} step timings over buckets "
         f"{','.join(map(str, engine.buckets))} in {time.perf_counter() - t0:.1f}s (saved to {path})")

@@ -166,12 +166,13 @@ class Engine:
 
     def calibrate(self, cache_len: int, sampling: SamplingConfig = SamplingConfig(),
                   contexts: Sequence[int] | None = None, reps: int = 5,
-                  batch: int = 1) -> list[tuple[int | str, int, float]]:
+                  batch: int = 1, prompt_bucket: int = 16) -> list[tuple[int | str, int, float]]:
         """Offline calibration (`warmup.calibrate`): time every bucket's step, the root (AR) step with and
         without a draft and the steps that verify a held lookup chain at a few context lengths, with
         `batch` rows, and fit the latency model, which from then on prices steps of that batch.
-        Returns the (variant, context, seconds) samples."""
-        return warmup.calibrate(self, cache_len, sampling, contexts, reps, batch)
+        `prompt_bucket`: the prefill it starts from (`prefill_bucket` of the request to come: its
+        prefill is then compiled once). Returns the (variant, context, seconds) samples."""
+        return warmup.calibrate(self, cache_len, sampling, contexts, reps, batch, prompt_bucket)
 
     def tree_step_buckets(self, kind: str) -> list[int]:
         """The tree steps bastion compiles: not bucket 1 (the root alone runs as a root step that

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bastion_jax.checkpoints import CheckpointError
     from bastion_jax.default_model import DefaultModelError
-    from bastion_jax.engine import Engine, GenerationError
+    from bastion_jax.engine import Engine, GenerationError, prefill_bucket
     from bastion_jax.sampling import SamplingConfig
     from bastion_jax.speculative import resolve_draft_vocab
     from bastion_jax.text import IncrementalDetokenizer, encode_prompt, load_tokenizer
@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             if len(ids) == 1:
                 model = calibration_model(target, drafter, engine.draft_vocab, lookup=engine.lookup is not None,
                                           datastore=engine.datastore)
-                load_or_calibrate(engine, model, cache_len, sampling, args.no_calibrate, log)
+                load_or_calibrate(engine, model, cache_len, sampling, args.no_calibrate, log,
+                                  prefill_bucket(len(ids[0]), cache_len))
             else:  # a saved profile times batch-1 steps: not this run's cost, and nothing is saved from here
                 log(f"latency calibration: not used for a batch of {len(ids)} prompts (steps of {len(ids)} rows "
                     "priced by the roofline at that batch + online correction)")

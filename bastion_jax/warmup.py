@@ -45,12 +45,13 @@ def prompt_args(padded: np.ndarray, lens: np.ndarray, seed: int, sampling: Sampl
     return rng, (jnp.asarray(padded), jnp.asarray(lens), sampler(sub, sampling))
 
 
-def tree_variants(engine: "Engine", batch: int, cache_len: int, sampling: SamplingConfig) -> tuple[Callable, dict]:
+def tree_variants(engine: "Engine", batch: int, cache_len: int, sampling: SamplingConfig,
+                  prompt_bucket: int = 16) -> tuple[Callable, dict]:
     """(prefill, {variant: step}) of bastion at these shapes: every bucket's tree step (not bucket 1,
     `Engine.tree_step_buckets`), the root steps (AR, AR_DRAFT, and a flush under FLUSH_VARIANT) and
-    the steps verifying a held lookup chain (`held(b)`)."""
+    the steps verifying a held lookup chain (`held(b)`); the prefill's prompt bucket `prompt_bucket`."""
     exe = engine.executables
-    prefill, steps = exe.tree(batch, 16, cache_len, sampling, engine.tree_step_buckets("bastion"))
+    prefill, steps = exe.tree(batch, prompt_bucket, cache_len, sampling, engine.tree_step_buckets("bastion"))
     variants: dict = dict(steps)
     if engine.drafter is not None:
         roots = exe.roots(batch, cache_len, sampling)
@@ -60,20 +61,22 @@ def tree_variants(engine: "Engine", batch: int, cache_len: int, sampling: Sampli
 
 
 def calibrate(engine: "Engine", cache_len: int, sampling: SamplingConfig, contexts: Sequence[int] | None,
-              reps: int, batch: int) -> list[tuple[int | str, int, float]]:
+              reps: int, batch: int, prompt_bucket: int = 16) -> list[tuple[int | str, int, float]]:
     """`Engine.calibrate`: the median of `reps` timings of every priced variant (`tree_variants` less
     the flush) at each context, taken in rounds over all points (one timing is off by 10-20% now and
     then on a busy CPU, and the draft gate decides on these prices), fitted into the engine's
-    latency model. Steps run with the rows inactive, so the context length stays put."""
+    latency model. Steps run with the rows inactive, so the context length stays put. The state
+    comes from a prefill at `prompt_bucket`: the request's own bucket, its prefill then compiled
+    here once rather than again in its warm-up (~10 s of a first CPU run)."""
     engine.latency = engine.latency.for_batch(batch)
     top = cache_len - engine.tree_slack() - 1
     contexts = sorted({max(1, c) for c in (contexts or (16, top)) if c <= top})
     exe = engine.executables
-    prefill, variants = tree_variants(engine, batch, cache_len, sampling)
+    prefill, variants = tree_variants(engine, batch, cache_len, sampling, prompt_bucket)
     variants.pop(FLUSH_VARIANT, None)
     key = sampler(jax.random.PRNGKey(0), sampling)
     state, _ = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),
-                       exe.new_drafter_cache(batch, cache_len), jnp.zeros((batch, 16), jnp.int32),
+                       exe.new_drafter_cache(batch, cache_len), jnp.zeros((batch, prompt_bucket), jnp.int32),
                        jnp.ones((batch,), jnp.int32), key)
     inactive = jnp.zeros((batch,), bool)
     points = [(b, c) for b in variants for c in contexts]

@@ -243,3 +243,20 @@ def test_warm_up_runs_the_prefills_key_tile_loop(pair, monkeypatch):
         engine.generate([[3 + i % 90 for i in range(n)]], max_new_tokens=4, mode="ar")
     # (bucket, length) of each warm-up's dummy prompt, then of the request's own
     assert seen == [(16, 16), (16, 5), (512, PREFILL_TILE + 16), (512, 400)]
+
+
+def test_a_calibration_from_the_requests_prompt_bucket_leaves_it_nothing_to_compile(converted):
+    """`generate` calibrates from a prefill at the coming request's prompt bucket, so a first run
+    compiles that prefill once (in the calibration) instead of a second one in its warm-up."""
+    from bastion_jax.engine import prefill_bucket
+
+    _, target = converted("llama3")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK), seed=1)
+    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4), top_k=4)
+    prompt = list(range(3, 40))  # 37 tokens: bucket 64, not the calibration's default 16
+    cache_len = engine.cache_len_for([len(prompt)], 8, None, engine.slack("bastion"))
+    bucket = prefill_bucket(len(prompt), cache_len)
+    assert bucket == 64
+    engine.calibrate(cache_len, contexts=(16,), reps=1, prompt_bucket=bucket)
+    res = engine.generate([prompt], max_new_tokens=8, mode="bastion", max_len=cache_len)
+    assert res.stats.compilations == 0 and res.stats.compilations_after_warmup == 0
