@@ -49,7 +49,7 @@ class Compiling:
     C++ without it, so the engine lowers a request's next step while earlier ones compile. On a
     2-core CPU a warm bastion request's 13 SmolLM2 steps lowered in 8.7 s and loaded from the
     persistent cache in 10.9 s one after the other, in two threads in 6.3 s, and that overlaps the
-    lowering: with the warm-up's first runs side by side (`warmup.warm_up`), a warm README command's
+    lowering: with the warm-up's first runs side by side (`warmup.first_runs`), a warm README command's
     warm-up 39-43 -> 24-26 s."""
 
     def __init__(self, future: Future):
