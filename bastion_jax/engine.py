@@ -172,6 +172,9 @@ class Engine:
         `batch` rows, and fit the latency model, which from then on prices steps of that batch.
         `prompt_bucket`: the prefill it starts from (`prefill_bucket` of the request to come: its
         prefill is then compiled once). Returns the (variant, context, seconds) samples."""
+        if not 1 <= prompt_bucket <= cache_len:
+            raise GenerationError(f"calibration prompt_bucket {prompt_bucket} must lie in [1, {cache_len}] "
+                                  "(the cache length)")
         return warmup.calibrate(self, cache_len, sampling, contexts, reps, batch, prompt_bucket)
 
     def tree_step_buckets(self, kind: str) -> list[int]:

@@ -260,3 +260,10 @@ def test_a_calibration_from_the_requests_prompt_bucket_leaves_it_nothing_to_comp
     engine.calibrate(cache_len, contexts=(16,), reps=1, prompt_bucket=bucket)
     res = engine.generate([prompt], max_new_tokens=8, mode="bastion", max_len=cache_len)
     assert res.stats.compilations == 0 and res.stats.compilations_after_warmup == 0
+
+
+def test_a_calibration_prompt_bucket_outside_the_cache_is_refused_in_one_line(pair):
+    _, engine = pair
+    for bad in (0, 65):
+        with pytest.raises(GenerationError, match=rf"prompt_bucket {bad} must lie in \[1, 64\]"):
+            engine.calibrate(64, prompt_bucket=bad)
