@@ -21,7 +21,7 @@ def calibration_model(target, drafter, draft_vocab=None, lookup: bool = True, da
 
     t = model_identity(target.path) if target.path is not None else "in-memory target"
     cfg = target.config  # how its layers run changes every step's time (`checkpoints.layer_layout`)
-    t += f"|{cfg.layers_layout}{' in-out' if cfg.weights_in_out else ''}"
+    t += f"|{cfg.layers_layout}{'' if cfg.weights_layout == 'out-in' else ' ' + cfg.weights_layout}"
     if drafter is None:
         return f"{t}|none"
     d = model_identity(drafter.path) if drafter.path is not None else "random"

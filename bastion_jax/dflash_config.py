@@ -126,6 +126,9 @@ class DrafterConfig:
     # under a scan or unrolled, as the target's (`TargetConfig.scan_layers`; `load_drafter` follows
     # the target's layout unless told otherwise).
     scan_layers: bool = False
+    # Likewise: products taken feature-major (`layers.project`), as the target's
+    # (`TargetConfig.feature_major`; `load_drafter` follows it).
+    feature_major: bool = False
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], target: TargetConfig | None = None) -> "DrafterConfig":

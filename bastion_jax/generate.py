@@ -83,9 +83,10 @@ def load_models(args, log):
     target = load_target(path, resolve_dtype(args.dtype))
     import jax
 
-    layout = ""  # on CPU the layout this machine multiplies faster (checkpoints.layout_probe: measured once)
+    layout = ""  # on CPU the layout this machine multiplies fastest (checkpoints.layout_probe: measured once)
     if jax.default_backend() == "cpu":
-        layout = f", layer weights {'[in, out]' if target.config.weights_in_out else '[out, in]'}"
+        layout = {"in-out": ", layer weights [in, out]", "out-in": ", layer weights [out, in]",
+                  "feature-major": ", layer weights [out, in], feature-major products"}[target.config.weights_layout]
     log(f"loaded {path} ({target.config.model_type}, {target.config.param_count() / 1e6:.0f}M params, "
         f"{target.dtype.name}: {dtype_note(args.dtype)}{layout}) in {time.perf_counter() - t0:.1f}s")
     drafter_arg = args.drafter

@@ -145,4 +145,5 @@ def tiny_drafter_config(target, num_layers: int = 1, block_size: int = 8, interm
                                    intermediate_size=intermediate_size or 2 * target.hidden_size)
     from bastion_jax.checkpoints import layer_layout
 
-    return layer_layout(cfg, target.scan_layers)  # laid out as the target it runs beside
+    # laid out as the target it runs beside
+    return layer_layout(cfg, target.scan_layers, feature_major=getattr(target, "feature_major", False))

@@ -110,7 +110,7 @@ def head_logits(target, hidden: jax.Array, draft_vocab: Optional[DraftVocab] = N
     if draft_vocab is None:
         return target.logits(hidden)
     w = draft_vocab.weight  # [N, h]
-    return project("...h,nh->...n", hidden, w, jnp.float32)
+    return project("...h,nh->...n", hidden, w, jnp.float32, feature_major=target.config.feature_major)
 
 
 def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array | None,

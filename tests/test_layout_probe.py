@@ -25,37 +25,37 @@ def _cfg(layers: int = 30):
 
 
 def _fake(timings, calls):
-    def measure(shapes, layers, dtype, *a, **k):
-        calls.append((layers, jnp.dtype(dtype).name))
-        return timings
+    def measure(shapes, layers, dtype, *a, layouts=tuple(layout_probe.LAYOUTS), **k):
+        calls.append((layers, jnp.dtype(dtype).name, tuple(layouts)))
+        return {k: v for k, v in timings.items() if k in layouts}
     return measure
 
 
-@pytest.mark.parametrize("in_out_ms, out_in_ms, want", [((10.0, 30.0), (9.0, 20.0), False),
-                                                        ((9.0, 20.0), (10.0, 30.0), True)])
-def test_the_faster_measured_layout_is_kept_and_cached(probe_env, monkeypatch, in_out_ms, out_in_ms, want):
+@pytest.mark.parametrize("ms, want", [((10.0, 30.0), "feature-major"), ((21.0, 20.0), "out-in"),
+                                      ((9.0, 20.0), "in-out")])
+def test_the_fastest_measured_layout_is_kept_and_cached(probe_env, monkeypatch, ms, want):
     calls = []
-    timings = {"in-out": dict(zip(layout_probe.PROBE_ROWS, in_out_ms)),
-               "out-in": dict(zip(layout_probe.PROBE_ROWS, out_in_ms))}
+    others = {k: dict(zip(layout_probe.PROBE_ROWS, (20.0, 22.0))) for k in layout_probe.LAYOUTS}
+    timings = dict(others, **{want: dict(zip(layout_probe.PROBE_ROWS, ms))})
     monkeypatch.setattr(layout_probe, "measure", _fake(timings, calls))
     cfg = _cfg()
-    assert layout_probe.prefers_in_out(cfg, jnp.float32) is want
-    assert calls == [(30, "float32")]  # 30 x 14 MB stays under the 1 GiB cap: every layer measured
-    assert layout_probe.prefers_in_out(cfg, jnp.float32) is want
+    assert layout_probe.best_layout(cfg, jnp.float32) == want
+    assert calls == [(30, "float32", tuple(layout_probe.LAYOUTS))]  # 30 x 14 MB: under the 1 GiB cap
+    assert layout_probe.best_layout(cfg, jnp.float32) == want
     assert len(calls) == 1  # the second answer came from the cache
     saved = [json.loads(p.read_text()) for p in (probe_env / "layout").glob("*.json")]
-    assert [s["in_out"] for s in saved] == [want]
-    layout_probe.prefers_in_out(cfg, jnp.bfloat16)  # another dtype is another measurement
-    assert calls[-1] == (30, "bfloat16")
+    assert [s["layout"] for s in saved] == [want]
+    layout_probe.best_layout(cfg, jnp.bfloat16)  # another dtype is another measurement, of two layouts:
+    assert calls[-1] == (30, "bfloat16", ("in-out", "out-in"))  # the feature-major form is float32's
 
 
 def test_probe_layers_are_capped(probe_env, monkeypatch):
     calls = []
     monkeypatch.setattr(layout_probe, "measure", _fake({"in-out": {4: 1.0}, "out-in": {4: 2.0}}, calls))
     monkeypatch.setattr(layout_probe, "MAX_PROBE_BYTES", 100 << 20)
-    assert layout_probe.prefers_in_out(_cfg(), jnp.float32) is True
+    assert layout_probe.best_layout(_cfg(), jnp.float32) == "in-out"
     per_layer = sum(a * b for a, b in layout_probe.layer_shapes(_cfg())) * 4
-    assert calls == [((100 << 20) // per_layer, "float32")]
+    assert calls[0][:2] == ((100 << 20) // per_layer, "float32")
 
 
 def test_small_models_and_pins_skip_the_probe(probe_env, monkeypatch):
@@ -63,18 +63,19 @@ def test_small_models_and_pins_skip_the_probe(probe_env, monkeypatch):
         raise AssertionError("measured")
 
     monkeypatch.setattr(layout_probe, "measure", boom)
-    assert layout_probe.prefers_in_out(_cfg(2), jnp.float32) is True  # 28 MB: below MIN_BYTES
-    for pin, want in (("out-in", False), ("in-out", True), (" In-Out ", True)):
+    assert layout_probe.best_layout(_cfg(2), jnp.float32) == "in-out"  # 28 MB: below MIN_BYTES
+    for pin, want in (("out-in", "out-in"), ("in-out", "in-out"), (" In-Out ", "in-out"),
+                      ("feature-major", "feature-major")):
         monkeypatch.setenv(layout_probe.ENV, pin)
-        assert layout_probe.prefers_in_out(_cfg(), jnp.float32) is want
+        assert layout_probe.best_layout(_cfg(), jnp.float32) == want
     monkeypatch.setenv(layout_probe.ENV, "transposed")
-    with pytest.raises(ConfigError, match="BASTION_WEIGHTS_LAYOUT must be auto, in-out or out-in"):
-        layout_probe.prefers_in_out(_cfg(), jnp.float32)
+    with pytest.raises(ConfigError, match="BASTION_WEIGHTS_LAYOUT must be auto, in-out, out-in, feature-major"):
+        layout_probe.best_layout(_cfg(), jnp.float32)
 
 
 def test_loader_lays_a_target_out_as_probed(probe_env, monkeypatch, converted):
     """load_target asks the probe (on CPU), in the dtype the target will compute in; the weights
-    follow its answer and compute the same logits either way."""
+    follow its answer and compute the same logits either way; the drafter follows the target's form."""
     from bastion_jax.checkpoints import load_target
 
     if jax.default_backend() != "cpu":
@@ -83,32 +84,35 @@ def test_loader_lays_a_target_out_as_probed(probe_env, monkeypatch, converted):
     asked = []
 
     def answer(value):
-        def prefers(cfg, dtype=None):
+        def best(cfg, dtype=None):
             asked.append(jnp.dtype(dtype).name)
             return value
-        return prefers
+        return best
 
-    for value in (True, False):
-        monkeypatch.setattr(layout_probe, "prefers_in_out", answer(value))
-        t = load_target(flat.path, jnp.bfloat16 if value else None)
-        assert t.config.weights_in_out is value
+    for value in ("in-out", "out-in", "feature-major"):
+        monkeypatch.setattr(layout_probe, "best_layout", answer(value))
+        t = load_target(flat.path, jnp.bfloat16 if value == "in-out" else None)
+        assert t.config.weights_layout == value
+        assert (t.config.weights_in_out, t.config.feature_major) == layout_probe.LAYOUTS[value]
         assert not t.config.scan_layers  # (unrolled by default: one weight per layer)
         q = t.state["layers"][0]["self_attn"]["q_proj"]["weight"][...]
         hf_shape = (t.config.num_attention_heads * t.config.head_dim, t.config.hidden_size)
-        assert q.shape == (hf_shape[::-1] if value else hf_shape)
-    assert asked == ["bfloat16", "float32"]  # the requested dtype, else the checkpoint's own
+        assert q.shape == (hf_shape[::-1] if value == "in-out" else hf_shape)
+    assert asked == ["bfloat16", "float32", "float32"]  # the requested dtype, else the checkpoint's own
 
 
-def test_measure_times_both_layouts():
+def test_measure_times_every_layout():
     shapes = layout_probe.layer_shapes(_cfg())
     ms = layout_probe.measure(shapes, 2, jnp.float32, rows=(1, 4), rounds=1)
-    assert set(ms) == {"in-out", "out-in"}
+    assert set(ms) == set(layout_probe.LAYOUTS)
     assert all(set(v) == {1, 4} and all(np.isfinite(t) and t > 0 for t in v.values()) for v in ms.values())
-    # the probe's layer is a real product chain: both layouts compute the same numbers
+    # the probe's layer is a real product chain: every layout computes the same numbers
     w = [jnp.asarray(np.random.default_rng(i).normal(size=s) * 0.05, jnp.float32) for i, s in enumerate(shapes)]
     x = jnp.asarray(np.random.default_rng(9).normal(size=(4, shapes[0][0])), jnp.float32)
-    np.testing.assert_allclose(layout_probe._layer(x, w, True), layout_probe._layer(x, [a.T for a in w], False),
-                               rtol=1e-5, atol=1e-5)
+    want = layout_probe._layer(x, w, True, False)
+    for in_out, fm in layout_probe.LAYOUTS.values():
+        got = layout_probe._layer(x, w if in_out else [a.T for a in w], in_out, fm)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_measurements_are_keyed_by_which_cpu_measured_them(probe_env, monkeypatch):

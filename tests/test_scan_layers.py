@@ -2,7 +2,8 @@
 stacked gives the same logits, caches and greedy tokens as unrolled, in float32 and bfloat16, with the
 XLA prefix loop and with the prefix kernel; checkpoints stay per layer. Likewise the layers' linear
 weights held [in, out] (`TargetConfig.weights_in_out`, the default on CPU): same logits and tokens
-as HF's [out, in], and checkpoints stay in HF layout."""
+as HF's [out, in], and checkpoints stay in HF layout; and HF's layout multiplied feature-major
+(`TargetConfig.feature_major`): same logits and tokens."""
 
 import jax
 import jax.numpy as jnp
@@ -170,6 +171,60 @@ def test_weights_layout_follows_the_backend():
 
 
 @pytest.fixture(scope="module")
+def hf_and_fm(both):
+    """(HF layout, feature-major products) loads of the checkpoint, unrolled."""
+    flat, _ = both
+    return flat, load_target(flat.path, jnp.float32, scan_layers=False, weights_in_out=False, feature_major=True)
+
+
+def _forward(target, tokens):
+    model = nnx.merge(target.graphdef, target.state)
+    cache = KVCache.create(target.config, tokens.shape[0], 32, jnp.float32)
+    t = tokens.shape[1]
+    return model(tokens, jnp.arange(t)[None].repeat(tokens.shape[0], 0), cache, jnp.zeros(tokens.shape[0], jnp.int32),
+                 causal_mask(tokens.shape[0], t))
+
+
+def test_feature_major_products_give_hf_logits(hf_and_fm):
+    """Same weights (HF's [out, in]), products taken W @ x^T: the logits of a 7-token forward are the
+    HF layout's, and the form really is another program (its transposes are barriers)."""
+    hf, fm = hf_and_fm
+    assert fm.config.feature_major and fm.config.weights_layout == "feature-major"
+    for x, y in zip(jax.tree.leaves(fm.state), jax.tree.leaves(hf.state)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(3, hf.config.vocab_size, (2, 7)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(_forward(fm, tokens).logits), np.asarray(_forward(hf, tokens).logits),
+                               rtol=1e-5, atol=1e-5)
+    if jax.default_backend() == "cpu":
+        assert "optimization_barrier" in str(jax.make_jaxpr(lambda t: _forward(fm, t).logits)(tokens))
+        assert "optimization_barrier" not in str(jax.make_jaxpr(lambda t: _forward(hf, t).logits)(tokens))
+
+
+def test_feature_major_refuses_in_out(both):
+    from bastion_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="feature_major products take the weights' \\[out, in\\] layout"):
+        layer_layout(both[0].config, weights_in_out=True, feature_major=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_feature_major_greedy_output_equals_hf_layout_ar(both, dtype):
+    """AR, chain and tree decoding with feature-major products in the target and the drafter give
+    the HF-layout model's AR tokens (bf16 keeps the plain products: the form is float32's)."""
+    import dataclasses
+
+    flat, _ = both
+    fm = load_target(flat.path, dtype, scan_layers=False, weights_in_out=False, feature_major=True)
+    want = Engine(load_target(flat.path, dtype, scan_layers=False, weights_in_out=False), stop_ids=[-1]).generate(
+        PROMPTS, max_new_tokens=14).tokens
+    dcfg = dataclasses.replace(tiny_drafter_config(flat.config, num_layers=1, block_size=4), feature_major=True)
+    drafter = random_drafter(dcfg, dtype, seed=3)
+    engine = Engine(fm, drafter=drafter, stop_ids=[-1], buckets=(1, 4, 8))
+    for mode in ("ar", "dflash", "fixed:8"):
+        assert engine.generate(PROMPTS, max_new_tokens=14, mode=mode).tokens == want, mode
+
+
+@pytest.fixture(scope="module")
 def drafters(both, tmp_path_factory):
     """(unrolled, scanned) loads of one exported 2-layer random drafter, beside the scanned target."""
     from bastion_jax.checkpoints import export_zlab, load_drafter
@@ -190,6 +245,9 @@ def test_drafter_layout_follows_the_target(both, drafters):
     assert load_drafter(unrolled_d.path, scanned.config).config.scan_layers
     assert not load_drafter(unrolled_d.path, flat.config).config.scan_layers
     assert tiny_drafter_config(scanned.config).scan_layers and not tiny_drafter_config(flat.config).scan_layers
+    fm = layer_layout(flat.config, weights_in_out=False, feature_major=True)  # the products' form too
+    assert load_drafter(unrolled_d.path, fm).config.feature_major and tiny_drafter_config(fm).feature_major
+    assert not load_drafter(unrolled_d.path, flat.config).config.feature_major
     w = scanned_d.state["layers"]["mlp"]["up_proj"]["weight"][...]  # [layers, ...]: one stacked module
     np.testing.assert_array_equal(np.asarray(w[1]), np.asarray(unrolled_d.state["layers"][1]["mlp"]["up_proj"]["weight"][...]))
 

@@ -157,37 +157,51 @@ def default_scan_layers() -> bool:
     return False
 
 
-def default_weights_in_out(cfg: TargetConfig | None = None, dtype: jnp.dtype | None = None) -> bool:
-    """The layers' linear weights held [in, out] (True) or HF's [out, in]. Off CPU HF's (GPU matmul
-    libraries take either layout at full speed). On CPU, which one XLA:CPU multiplies a verify step's
-    few rows by faster depends on the machine (10-30% of a tree step either way), so with `cfg` it is
-    measured once per machine (`layout_probe.prefers_in_out`, cached; `$BASTION_WEIGHTS_LAYOUT` pins
-    it); without `cfg`, [in, out]."""
+def default_weights_layout(cfg: TargetConfig | None = None, dtype: jnp.dtype | None = None) -> str:
+    """How the layers' linear weights are held and multiplied, one of `layout_probe.LAYOUTS`:
+    "in-out" ([in, out]), "out-in" (HF's [out, in]) or "feature-major" ([out, in], products W @ x^T).
+    Off CPU HF's (GPU matmul libraries take either layout at full speed). On CPU, which one XLA:CPU
+    multiplies a verify step's few rows by fastest depends on the machine (10-40% of a tree step),
+    so with `cfg` it is measured once per machine (`layout_probe.best_layout`, cached;
+    `$BASTION_WEIGHTS_LAYOUT` pins it); without `cfg`, [in, out]."""
     if jax.default_backend() != "cpu":
-        return False
+        return "out-in"
     if cfg is None:
-        return True
-    from bastion_jax.checkpoints.layout_probe import prefers_in_out
+        return "in-out"
+    from bastion_jax.checkpoints.layout_probe import best_layout
 
-    return prefers_in_out(cfg, dtype)
+    return best_layout(cfg, dtype)
+
+
+def default_weights_in_out(cfg: TargetConfig | None = None, dtype: jnp.dtype | None = None) -> bool:
+    """Whether `default_weights_layout` holds the layers' weights [in, out]."""
+    return default_weights_layout(cfg, dtype) == "in-out"
 
 
 def layer_layout(cfg: TargetConfig | DrafterConfig, scan_layers: bool | None = None,
-                 weights_in_out: bool | None = None, dtype: jnp.dtype | None = None):
-    """`cfg` with its layers scanned or unrolled (`scan_layers`, None: `default_scan_layers()`) and, for
-    a target, its layers' linear weights [in, out] or HF's [out, in] (`weights_in_out`, None:
-    `default_weights_in_out(cfg, dtype)`: `dtype` is the one the target computes in; a drafter's stay
-    [out, in])."""
+                 weights_in_out: bool | None = None, dtype: jnp.dtype | None = None,
+                 feature_major: bool | None = None):
+    """`cfg` with its layers scanned or unrolled (`scan_layers`, None: `default_scan_layers()`) and its
+    products' form. For a target: its layers' linear weights [in, out] or HF's [out, in]
+    (`weights_in_out`) and, with [out, in], multiplied feature-major or not (`feature_major`); both
+    None: `default_weights_layout(cfg, dtype)` (`dtype` is the one the target computes in); one
+    given, the other is off unless given. A drafter's weights stay [out, in]; `feature_major` (None:
+    off) as its target's, since both run in the same steps."""
     scan = default_scan_layers() if scan_layers is None else scan_layers
     if isinstance(cfg, DrafterConfig):
-        return dataclasses.replace(cfg, scan_layers=scan)
-    return dataclasses.replace(cfg, scan_layers=scan,
-                               weights_in_out=default_weights_in_out(cfg, dtype) if weights_in_out is None
-                               else weights_in_out)
+        return dataclasses.replace(cfg, scan_layers=scan, feature_major=bool(feature_major))
+    if weights_in_out is None and feature_major is None:
+        from bastion_jax.checkpoints.layout_probe import LAYOUTS
+
+        weights_in_out, feature_major = LAYOUTS[default_weights_layout(cfg, dtype)]
+    weights_in_out, feature_major = bool(weights_in_out), bool(feature_major)
+    if weights_in_out and feature_major:
+        raise ConfigError("feature_major products take the weights' [out, in] layout: not with weights_in_out")
+    return dataclasses.replace(cfg, scan_layers=scan, weights_in_out=weights_in_out, feature_major=feature_major)
 
 
 def load_target(path: str | Path, dtype: jnp.dtype | None = None, scan_layers: bool | None = None,
-                weights_in_out: bool | None = None) -> Target:
+                weights_in_out: bool | None = None, feature_major: bool | None = None) -> Target:
     """Load a converted checkpoint dir, an HF safetensors dir, or a .gguf file.
 
     `dtype` casts the parameters. None keeps the checkpoint's own dtype: the stored one of a
@@ -195,8 +209,9 @@ def load_target(path: str | Path, dtype: jnp.dtype | None = None, scan_layers: b
     file's float type, or float32 when its tensors are quantised (they are dequantised to float32).
     Nothing is upcast silently. `scan_layers`: run the decoder layers under a scan (stacked
     parameters and KV cache) or unrolled; `weights_in_out`: hold the layers' linear weights
-    [in, out]; None picks unrolled layers (`default_scan_layers`) and the weights' layout by backend
-    (`default_weights_in_out`).
+    [in, out]; `feature_major`: multiply HF's [out, in] ones feature-major (`layers.project`); None
+    picks unrolled layers (`default_scan_layers`) and the weights' layout by backend and, on CPU, by
+    what the machine runs fastest (`default_weights_layout`; see `layer_layout`).
     """
     from bastion_jax.checkpoints import ConversionError, load_params, open_source
 
@@ -207,13 +222,14 @@ def load_target(path: str | Path, dtype: jnp.dtype | None = None, scan_layers: b
         if path.is_dir() and (path / "config.json").is_file():
             hf = read_config_json(path / "config.json")
             if "bastion_jax" in hf:
-                cfg = layer_layout(TargetConfig.from_hf(hf), scan_layers, weights_in_out, dtype or _stored_dtype(hf))
+                cfg = layer_layout(TargetConfig.from_hf(hf), scan_layers, weights_in_out,
+                                   dtype or _stored_dtype(hf), feature_major)
                 graphdef, state = _restore(path, hf, "target", cfg, dtype)
                 return Target(cfg, graphdef, state, tokenizer_dir=path, path=path)
         source = open_source(path)
         dtype = dtype or source.native_dtype()
         cfg, params = load_params(source, dtype)
-        cfg = layer_layout(cfg, scan_layers, weights_in_out, dtype)
+        cfg = layer_layout(cfg, scan_layers, weights_in_out, dtype, feature_major)
     except (ConversionError, ConfigError) as e:
         raise CheckpointError(str(e)) from None
     graphdef, state = _merge(cfg, dtype, params)
@@ -228,7 +244,8 @@ def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None
     as in `load_target` (None: the checkpoint's own); `generate` passes the target's dtype on purpose,
     since the drafter reads the target's features and shares its LM head. `scan_layers`: run its
     layers under a scan (stacked parameters) or unrolled; None follows `target.scan_layers`, since
-    both run inside the same steps (the trainer asks for unrolled layers)."""
+    both run inside the same steps (the trainer asks for unrolled layers); its products' form
+    follows `target.feature_major` likewise."""
     from bastion_jax.checkpoints import ConversionError
     from bastion_jax.checkpoints.dflash import load_zlab_params
 
@@ -239,7 +256,8 @@ def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None
         hf = read_config_json(path / "config.json")
         cfg = DrafterConfig.from_hf(hf, target)
         cfg.check_pair(target)
-        cfg = layer_layout(cfg, target.scan_layers if scan_layers is None else scan_layers)
+        cfg = layer_layout(cfg, target.scan_layers if scan_layers is None else scan_layers,
+                           feature_major=target.feature_major)
         if "bastion_jax" in hf:
             graphdef, state = _restore(path, hf, "drafter", cfg, dtype)
         else:

@@ -33,11 +33,12 @@ INJECT_FIRST_ROWS = 4
 class DrafterAttention(nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         h, hq, hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        bias = cfg.attention_bias  # Qwen3 attention: all four projections carry a bias, or none does
-        self.q_proj = Linear(h, hq * d, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(h, hkv * d, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(h, hkv * d, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(hq * d, h, use_bias=bias, dtype=dtype, rngs=rngs)
+        # Qwen3 attention: all four projections carry a bias, or none does
+        kw = dict(use_bias=cfg.attention_bias, dtype=dtype, feature_major=cfg.feature_major, rngs=rngs)
+        self.q_proj = Linear(h, hq * d, **kw)
+        self.k_proj = Linear(h, hkv * d, **kw)
+        self.v_proj = Linear(h, hkv * d, **kw)
+        self.o_proj = Linear(hq * d, h, **kw)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.heads = (hq, hkv, d)
@@ -76,7 +77,8 @@ class DrafterLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = DrafterAttention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, dtype=dtype,
+                       feature_major=cfg.feature_major, rngs=rngs)
 
     def __call__(self, h, rope_blk, ctx_k, ctx_v, mask, cached=None):
         h = h + self.self_attn(self.input_layernorm(h), rope_blk, ctx_k, ctx_v, mask, cached)
@@ -87,7 +89,7 @@ class Drafter(nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
         n_feat = len(cfg.target_layer_ids) * cfg.target_hidden_size
-        self.fc = Linear(n_feat, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.fc = Linear(n_feat, cfg.hidden_size, dtype=dtype, feature_major=cfg.feature_major, rngs=rngs)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if cfg.scan_layers:  # `layers.<HF name>` [num_layers, ...], run under a scan
             self.layers = stacked_drafter_layers(cfg, dtype, rngs)

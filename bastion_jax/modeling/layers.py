@@ -20,7 +20,8 @@ from bastion_jax.config import RopeConfig
 _INIT = nnx.initializers.normal(stddev=0.02)
 
 
-def project(spec: str, x: jax.Array, w: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
+def project(spec: str, x: jax.Array, w: jax.Array, out_dtype: jnp.dtype | None = None, *,
+            feature_major: bool = False) -> jax.Array:
     """`einsum(spec, x, w)` for a weight matrix `w`, in `w`'s dtype, the result in `out_dtype` (default
     `w`'s dtype; float32 for logits: accumulated in float32, not just returned in it).
 
@@ -30,9 +31,23 @@ def project(spec: str, x: jax.Array, w: jax.Array, out_dtype: jnp.dtype | None =
     is accumulated in float32 and rounded once (as torch does in bf16), and a lone row is padded to
     two. float32 weights and other backends take the plain einsum, as before. `spec` contracts x's last
     axis into one output axis, leading axes kept (`"...i,io->...o"`, `"...h,vh->...v"`): the padding
-    reshapes x to [rows, in] and back."""
+    reshapes x to [rows, in] and back.
+
+    `feature_major` (float32 on CPU, `w` held [out, in]: `spec` ends in `,oi->...o`): the product is
+    taken as w @ x^T, [out, in] @ [in, rows] -> [out, rows], and transposed back. Same sum, another
+    XLA:CPU kernel: Eigen's micro-kernel tiles the output's rows 24 at a time and its columns 4 at a
+    time (AVX2), so a verify step's few rows fill it only as columns. On a 2-core AMD EPYC (AVX2,
+    2026-11-28) SmolLM2's 30 layers of products at 4 / 16 rows took 28 / 40 ms this way against 45 /
+    62 ms as x @ w ([in, out] or [out, in] alike; 1 row alike). The transposes are real copies of
+    the few rows (`optimization_barrier`): left as transposes, XLA folds them back into the slow
+    dot. Which form a machine runs faster is measured (`checkpoints.layout_probe`)."""
     out_dtype = jnp.dtype(w.dtype if out_dtype is None else out_dtype)
     x = x.astype(w.dtype)
+    if feature_major and w.dtype == jnp.float32 and jax.default_backend() == "cpu":
+        lead = x.shape[:-1]
+        xt = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)  # [in, rows]
+        y = jnp.dot(w, xt, preferred_element_type=out_dtype)  # [out, rows]
+        return jax.lax.optimization_barrier(y).T.reshape(lead + w.shape[:1])
     if w.dtype == jnp.float32 or jax.default_backend() != "cpu":
         return jnp.einsum(spec, x, w, **({} if out_dtype == w.dtype else {"preferred_element_type": out_dtype}))
     lead = x.shape[:-1]
@@ -45,19 +60,26 @@ def project(spec: str, x: jax.Array, w: jax.Array, out_dtype: jnp.dtype | None =
 
 class Linear(nnx.Module):
     """`y = x W^T + b` with `W` stored `[out_features, in_features]` like `torch.nn.Linear`, or, with
-    `in_out`, stored `[in_features, out_features]`: XLA:CPU multiplies a few rows (a verify step's
-    tree) by an [in, out] matrix about 1.5x faster than by an [out, in] one (the target's layers on
-    CPU, `TargetConfig.weights_in_out`; checkpoints stay in HF layout, `checkpoints.params`)."""
+    `in_out`, stored `[in_features, out_features]`: on some CPUs XLA multiplies a few rows (a verify
+    step's tree) by an [in, out] matrix faster than by an [out, in] one; on others the
+    `feature_major` product (`project`) of the [out, in] matrix is the fastest. The target's layers
+    on CPU take whichever the machine runs fastest (`TargetConfig.weights_in_out` / `feature_major`,
+    measured by `checkpoints.layout_probe`); checkpoints stay in HF layout (`checkpoints.params`)."""
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False,
-                 dtype: jnp.dtype = jnp.float32, in_out: bool = False, rngs: nnx.Rngs):
+                 dtype: jnp.dtype = jnp.float32, in_out: bool = False, feature_major: bool = False,
+                 rngs: nnx.Rngs):
+        if in_out and feature_major:
+            raise ValueError("Linear: feature_major products take the [out, in] layout, not in_out")
         shape = (in_features, out_features) if in_out else (out_features, in_features)
         self.weight = nnx.Param(_INIT(rngs.params(), shape, dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
         self.in_out = in_out  # static: part of the graph definition
+        self.feature_major = feature_major  # static too
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = project("...i,io->...o" if self.in_out else "...i,oi->...o", x, self.weight[...])
+        y = project("...i,io->...o" if self.in_out else "...i,oi->...o", x, self.weight[...],
+                    feature_major=self.feature_major)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -73,8 +95,8 @@ class Embedding(nnx.Module):
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.weight[...], ids, axis=0)
 
-    def attend(self, x: jax.Array) -> jax.Array:
-        return project("...h,vh->...v", x, self.weight[...])
+    def attend(self, x: jax.Array, feature_major: bool = False) -> jax.Array:
+        return project("...h,vh->...v", x, self.weight[...], feature_major=feature_major)
 
 
 class RMSNorm(nnx.Module):
@@ -106,10 +128,12 @@ class MLP(nnx.Module):
     """Gated feed-forward down(act(gate(x)) * up(x)) as HF's Llama/Qwen3 MLP; act = silu is SwiGLU."""
 
     def __init__(self, hidden: int, intermediate: int, *, use_bias: bool = False, act: str = "silu",
-                 dtype: jnp.dtype = jnp.float32, in_out: bool = False, rngs: nnx.Rngs):
-        self.gate_proj = Linear(hidden, intermediate, use_bias=use_bias, dtype=dtype, in_out=in_out, rngs=rngs)
-        self.up_proj = Linear(hidden, intermediate, use_bias=use_bias, dtype=dtype, in_out=in_out, rngs=rngs)
-        self.down_proj = Linear(intermediate, hidden, use_bias=use_bias, dtype=dtype, in_out=in_out, rngs=rngs)
+                 dtype: jnp.dtype = jnp.float32, in_out: bool = False, feature_major: bool = False,
+                 rngs: nnx.Rngs):
+        kw = dict(use_bias=use_bias, dtype=dtype, in_out=in_out, feature_major=feature_major, rngs=rngs)
+        self.gate_proj = Linear(hidden, intermediate, **kw)
+        self.up_proj = Linear(hidden, intermediate, **kw)
+        self.down_proj = Linear(intermediate, hidden, **kw)
         self.act = act  # a name (static, hashable), looked up in ACTIVATIONS
 
     def __call__(self, x: jax.Array) -> jax.Array:

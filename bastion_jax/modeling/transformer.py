@@ -27,11 +27,12 @@ from bastion_jax.modeling.layers import (MLP, Embedding, Linear, RMSNorm, apply_
 class Attention(nnx.Module):
     def __init__(self, cfg: TargetConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         h, hq, hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        bias, io = cfg.attention_bias, cfg.weights_in_out
-        self.q_proj = Linear(h, hq * d, use_bias=bias, dtype=dtype, in_out=io, rngs=rngs)
-        self.k_proj = Linear(h, hkv * d, use_bias=bias, dtype=dtype, in_out=io, rngs=rngs)
-        self.v_proj = Linear(h, hkv * d, use_bias=bias, dtype=dtype, in_out=io, rngs=rngs)
-        self.o_proj = Linear(hq * d, h, use_bias=bias, dtype=dtype, in_out=io, rngs=rngs)
+        kw = dict(use_bias=cfg.attention_bias, dtype=dtype, in_out=cfg.weights_in_out,
+                  feature_major=cfg.feature_major, rngs=rngs)
+        self.q_proj = Linear(h, hq * d, **kw)
+        self.k_proj = Linear(h, hkv * d, **kw)
+        self.v_proj = Linear(h, hkv * d, **kw)
+        self.o_proj = Linear(hq * d, h, **kw)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
@@ -63,7 +64,7 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=cfg.mlp_bias, dtype=dtype,
-                       in_out=cfg.weights_in_out, rngs=rngs)
+                       in_out=cfg.weights_in_out, feature_major=cfg.feature_major, rngs=rngs)
 
     def __call__(self, x, cos, sin, cache, layer, start, mask, active=None):
         attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, start, mask, active)
@@ -124,7 +125,7 @@ class Transformer(nnx.Module):
         that produced them, which breaks greedy identity between AR and verification), so the
         matmul itself accumulates into float32 (`preferred_element_type`), not just its result."""
         w = (self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)[...]  # [vocab, hidden]
-        return project("...h,vh->...v", hidden, w, jnp.float32)
+        return project("...h,vh->...v", hidden, w, jnp.float32, feature_major=self.config.feature_major)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: jax.Array | None,
                  mask: jax.Array | Causal, *, tap_layers: Sequence[int] = (),
