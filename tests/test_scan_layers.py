@@ -200,6 +200,21 @@ def test_feature_major_products_give_hf_logits(hf_and_fm):
         assert "optimization_barrier" not in str(jax.make_jaxpr(lambda t: _forward(hf, t).logits)(tokens))
 
 
+def test_feature_major_form_is_for_a_few_rows():
+    """W @ x^T up to FEATURE_MAJOR_MAX_ROWS rows (a tree, a block), the plain product above (a long
+    prefill, where the plain one was faster); the same numbers either way."""
+    from bastion_jax.modeling.layers import FEATURE_MAJOR_MAX_ROWS, project
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the feature-major form is a CPU one")
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(24, 16)), jnp.float32)  # [out, in]
+    for rows, form in ((FEATURE_MAJOR_MAX_ROWS, True), (FEATURE_MAJOR_MAX_ROWS + 1, False)):
+        x = jnp.asarray(np.random.default_rng(rows).normal(size=(1, rows, 16)), jnp.float32)
+        jaxpr = str(jax.make_jaxpr(lambda x: project("...i,oi->...o", x, w, feature_major=True))(x))
+        assert ("optimization_barrier" in jaxpr) is form, rows
+        np.testing.assert_allclose(project("...i,oi->...o", x, w, feature_major=True), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
 def test_feature_major_refuses_in_out(both):
     from bastion_jax.config import ConfigError
 

@@ -18,6 +18,9 @@ from flax import nnx
 from bastion_jax.config import RopeConfig
 
 _INIT = nnx.initializers.normal(stddev=0.02)
+# `project(feature_major=True)` takes the W @ x^T form up to this many rows (a verify step's tree, a
+# drafter's block, a short prompt), the plain one above (a long prefill: see `project`).
+FEATURE_MAJOR_MAX_ROWS = 64
 
 
 def project(spec: str, x: jax.Array, w: jax.Array, out_dtype: jnp.dtype | None = None, *,
@@ -33,25 +36,26 @@ def project(spec: str, x: jax.Array, w: jax.Array, out_dtype: jnp.dtype | None =
     axis into one output axis, leading axes kept (`"...i,io->...o"`, `"...h,vh->...v"`): the padding
     reshapes x to [rows, in] and back.
 
-    `feature_major` (float32 on CPU, `w` held [out, in]: `spec` ends in `,oi->...o`): the product is
+    `feature_major` (float32 on CPU, `w` held [out, in]: `"...i,oi->...o"`, `"...h,vh->...v"`): the product is
     taken as w @ x^T, [out, in] @ [in, rows] -> [out, rows], and transposed back. Same sum, another
     XLA:CPU kernel: Eigen's micro-kernel tiles the output's rows 24 at a time and its columns 4 at a
     time (AVX2), so a verify step's few rows fill it only as columns. On a 2-core AMD EPYC (AVX2,
     2026-11-28) SmolLM2's 30 layers of products at 4 / 16 rows took 28 / 40 ms this way against 45 /
     62 ms as x @ w ([in, out] or [out, in] alike; 1 row alike). The transposes are real copies of
     the few rows (`optimization_barrier`): left as transposes, XLA folds them back into the slow
-    dot. Which form a machine runs faster is measured (`checkpoints.layout_probe`)."""
+    dot. Which form a machine runs faster is measured (`checkpoints.layout_probe`). Only up to
+    `FEATURE_MAJOR_MAX_ROWS` rows: from 128 rows on (a prefill) the plain product was the faster one
+    there (128 / 256 / 1,024 rows: 210 / 375 / 1,441 ms against 191 / 351 / 1,295; 64: 110 vs 117)."""
     out_dtype = jnp.dtype(w.dtype if out_dtype is None else out_dtype)
     x = x.astype(w.dtype)
-    if feature_major and w.dtype == jnp.float32 and jax.default_backend() == "cpu":
-        lead = x.shape[:-1]
+    lead = x.shape[:-1]
+    rows = int(np.prod(lead)) if lead else 1
+    if feature_major and w.dtype == jnp.float32 and jax.default_backend() == "cpu" and rows <= FEATURE_MAJOR_MAX_ROWS:
         xt = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)  # [in, rows]
         y = jnp.dot(w, xt, preferred_element_type=out_dtype)  # [out, rows]
         return jax.lax.optimization_barrier(y).T.reshape(lead + w.shape[:1])
     if w.dtype == jnp.float32 or jax.default_backend() != "cpu":
         return jnp.einsum(spec, x, w, **({} if out_dtype == w.dtype else {"preferred_element_type": out_dtype}))
-    lead = x.shape[:-1]
-    rows = int(np.prod(lead)) if lead else 1
     if rows == 1:  # [1, in] -> [2, in]: a zero row, dropped again below
         x = jnp.concatenate([x.reshape(1, x.shape[-1]), jnp.zeros((1, x.shape[-1]), x.dtype)])
     y = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(out_dtype)
