@@ -173,7 +173,7 @@ def setup(args, log=lambda msg: None) -> Setup:
             dtype = jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
         tcfg, dcfg = preset_configs(args.arch, args.layers, args.drafter_layers, args.block_size)
         tcfg = layer_layout(tcfg, scan, dtype=dtype)  # as load_target lays out a real checkpoint
-        dcfg = layer_layout(dcfg, tcfg.scan_layers)  # the drafter laid out as the target, as load_drafter does
+        dcfg = layer_layout(dcfg, tcfg.scan_layers, feature_major=tcfg.feature_major)  # as load_drafter lays it out
         cache_len = plan_cache_len(contexts, buckets, dcfg.block_size, tcfg.max_position_embeddings, args.max_len)
         log(f"building {args.arch} ({tcfg.num_hidden_layers} layers, {tcfg.param_count() / 1e6:.0f}M params) + "
             f"{dcfg.num_hidden_layers}-layer drafter, random {jnp.dtype(dtype).name} weights")

@@ -49,7 +49,7 @@ def abstract_pair(arch: str, layers: int, dtype, scan: bool = False):
 
     tcfg, dcfg = preset_configs(arch, layers)
     tcfg = layer_layout(tcfg, scan, dtype=dtype)
-    dcfg = layer_layout(dcfg, tcfg.scan_layers)  # the drafter laid out as the target, as load_drafter does
+    dcfg = layer_layout(dcfg, tcfg.scan_layers, feature_major=tcfg.feature_major)  # as load_drafter lays it out
     t = nnx.eval_shape(lambda: Transformer(tcfg, dtype=dtype, rngs=nnx.Rngs(0)))
     d = nnx.eval_shape(lambda: Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1)))
     (tdef, tstate), (ddef, dstate) = nnx.split(t), nnx.split(d)
