@@ -160,14 +160,16 @@ def test_weights_in_out_checkpoints_stay_hf_layout(hf_and_io, tmp_path, scan):
 
 
 def test_weights_layout_follows_the_backend():
-    from bastion_jax.checkpoints import default_weights_in_out
+    from bastion_jax.checkpoints import default_weights_layout
     from bastion_jax.presets import preset_configs
 
     tcfg, _ = preset_configs("smollm2-135m", 2, 1, 4)
-    assert default_weights_in_out() is (jax.default_backend() == "cpu")
-    assert layer_layout(tcfg).weights_in_out is default_weights_in_out()
+    assert default_weights_layout() == ("in-out" if jax.default_backend() == "cpu" else "out-in")
+    assert layer_layout(tcfg).weights_layout == default_weights_layout(tcfg)
+    assert layer_layout(tcfg).weights_in_out is (default_weights_layout(tcfg) == "in-out")
     assert layer_layout(tcfg, weights_in_out=False).weights_in_out is False
     assert "weights_in_out" not in tcfg.to_hf()  # a run-time choice, never written into a checkpoint
+    assert "feature_major" not in tcfg.to_hf()
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,13 @@ from bastion_jax.checkpoints.dflash import export_zlab
 from bastion_jax.checkpoints.errors import ConversionError
 from bastion_jax.checkpoints.loaders import (
     CheckpointError, LoadedDrafter, Target, abstract_state, abstract_target_state, default_scan_layers,
-    default_weights_in_out, default_weights_layout, layer_layout,
+    default_weights_layout, layer_layout,
     load_drafter, load_target, random_drafter, random_target, save_drafter, save_target,
 )
 from bastion_jax.checkpoints.source import Source, open_source
 
 __all__ = [
     "CheckpointError", "ConversionError", "LoadedDrafter", "Source", "Target", "abstract_state",
-    "abstract_target_state", "convert", "default_scan_layers", "default_weights_in_out", "default_weights_layout", "export_zlab", "layer_layout", "load_drafter", "load_params", "load_target",
+    "abstract_target_state", "convert", "default_scan_layers", "default_weights_layout", "export_zlab", "layer_layout", "load_drafter", "load_params", "load_target",
     "open_source", "random_drafter", "random_target", "save_drafter", "save_target",
 ]

@@ -173,11 +173,6 @@ def default_weights_layout(cfg: TargetConfig | None = None, dtype: jnp.dtype | N
     return best_layout(cfg, dtype)
 
 
-def default_weights_in_out(cfg: TargetConfig | None = None, dtype: jnp.dtype | None = None) -> bool:
-    """Whether `default_weights_layout` holds the layers' weights [in, out]."""
-    return default_weights_layout(cfg, dtype) == "in-out"
-
-
 def layer_layout(cfg: TargetConfig | DrafterConfig, scan_layers: bool | None = None,
                  weights_in_out: bool | None = None, dtype: jnp.dtype | None = None,
                  feature_major: bool | None = None):
