@@ -68,6 +68,8 @@ def test_small_models_and_pins_skip_the_probe(probe_env, monkeypatch):
                       ("feature-major", "feature-major")):
         monkeypatch.setenv(layout_probe.ENV, pin)
         assert layout_probe.best_layout(_cfg(), jnp.float32) == want
+    # a pinned feature-major form on a bf16 target is reported as what runs: HF's layout, plain products
+    assert layout_probe.best_layout(_cfg(), jnp.bfloat16) == "out-in"
     monkeypatch.setenv(layout_probe.ENV, "transposed")
     with pytest.raises(ConfigError, match="BASTION_WEIGHTS_LAYOUT must be auto, in-out, out-in, feature-major"):
         layout_probe.best_layout(_cfg(), jnp.float32)

@@ -52,11 +52,11 @@ def layer_shapes(cfg: TargetConfig) -> list[tuple[int, int]]:
 def best_layout(cfg: TargetConfig, dtype: jnp.dtype | None = None) -> str:
     """Which of `LAYOUTS` this CPU multiplies a few rows by `cfg`'s layer weights fastest in."""
     forced = os.environ.get(ENV, "auto").strip().lower()
-    if forced in LAYOUTS:
-        return forced
-    if forced != "auto":
+    if forced not in LAYOUTS and forced != "auto":
         raise ConfigError(f"${ENV} must be auto, {', '.join(LAYOUTS)}, got {forced!r}")
     dtype = jnp.dtype(dtype or jnp.float32)
+    if forced in LAYOUTS:  # the feature-major form is float32's: other dtypes multiply [out, in] plainly
+        return "out-in" if forced == "feature-major" and dtype != jnp.float32 else forced
     per_layer = sum(a * b for a, b in layer_shapes(cfg)) * dtype.itemsize
     if per_layer * cfg.num_hidden_layers < MIN_BYTES:
         return "in-out"
