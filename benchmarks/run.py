@@ -5,7 +5,9 @@
 
 Per prompt, per set and overall: tau (mean accepted + 1 per step), tokens/s, the ratio to AR
 measured in this run, the best fixed budget in hindsight, the bucket histogram, and whether the
-tokens equal AR's (they must at T=0). Writes benchmarks/results/<name>.json, .md, .csv and .png,
+tokens equal AR's (they must at T=0; at T > 0, `--temperature`, each run draws its own samples and
+the answers are not compared: every mode samples the target's law exactly, so the figures are the
+speed of the same sampling). Writes benchmarks/results/<name>.json, .md, .csv and .png,
 stamped with device, date and commit. Prompt files are read in place, never copied.
 Runs on CPU with tiny models (slowly) and on GPU for real numbers.
 """
@@ -29,6 +31,22 @@ def median_run(results: list):
     """The run of median wall time (engine time after compilation) among repeats of one mode on one prompt."""
     ordered = sorted(results, key=lambda r: r.stats.ttft_s + r.stats.decode_s)
     return ordered[(len(ordered) - 1) // 2]
+
+
+def sampling_words(sampling) -> str:
+    """How a run sampled, for its report's header."""
+    if sampling.greedy:
+        return "T=0"
+    words = f"T={sampling.temperature:g}"
+    if sampling.top_k:
+        words += f", top-k {sampling.top_k}"
+    if sampling.top_p < 1.0:
+        words += f", top-p {sampling.top_p:g}"
+    return words + " (answers not compared: each run draws its own samples)"
+
+
+def identity_cell(identical: bool | None) -> str:
+    return "n/a" if identical is None else "yes" if identical else "NO"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,12 +75,23 @@ def main(argv: list[str] | None = None) -> int:
                    "(default 128)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: the checkpoint's own dtype")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, and the "
+                   "modes' answers are not compared with AR's")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    p.add_argument("--seed", type=int, default=0, help="RNG seed of the first prompt's runs (prompt i: seed + i)")
     p.add_argument("--name", default="bench", help="results file name (benchmarks/results/<name>.json)")
     p.add_argument("--no-calibrate", action="store_true")
     p.add_argument("--out-dir", default=str(RESULTS), help="where to write <name>.json/.md (default benchmarks/results)")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error(f"--reps must be >= 1, got {args.reps}")
+    from bastion_jax.sampling import SamplingConfig
+
+    try:
+        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        p.error(str(e))
     use_compilation_cache()
 
     import jax
@@ -110,12 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     # One cache length for every mode (the largest slack, the tree's), so all pay the same attention cost.
     cache_len = engine.cache_len_for([longest], args.max_new_tokens, None, engine.slack("bastion"))
     if not args.no_calibrate:
-        engine.calibrate(cache_len)
+        engine.calibrate(cache_len, sampling)
     device = jax.devices()[0].device_kind
     # Warm-up, untimed: every mode compiles and runs once at the measured shapes, so no mode's first
     # timed prompt pays for compilation or first-run allocations.
     for mode in modes:
-        engine.generate([ids[0]], max_new_tokens=min(8, args.max_new_tokens), mode=mode, max_len=cache_len)
+        engine.generate([ids[0]], max_new_tokens=min(8, args.max_new_tokens), mode=mode, max_len=cache_len,
+                        sampling=sampling, seed=args.seed)
     rows, totals = [], {m: {"tokens": 0, "seconds": 0.0, "committed": 0, "steps": 0, "buckets": {}} for m in modes}
     for i, ((source, text), prompt) in enumerate(zip(prompts, ids)):
         # Modes run in a rotated order per prompt (prompt i starts with mode i mod M), so no mode is
@@ -124,9 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, list] = {m: [] for m in modes}
         for _ in range(args.reps):
             for m in order:
-                runs[m].append(engine.generate([prompt], max_new_tokens=args.max_new_tokens, mode=m, max_len=cache_len))
+                runs[m].append(engine.generate([prompt], max_new_tokens=args.max_new_tokens, mode=m, max_len=cache_len,
+                                               sampling=sampling, seed=args.seed + i))
         for m, rs in runs.items():
-            if any(r.tokens != rs[0].tokens for r in rs):
+            if sampling.greedy and any(r.tokens != rs[0].tokens for r in rs):
                 raise SystemExit(f"error: {m} gave different tokens on repeated runs of one prompt at T=0")
         results = {m: median_run(rs) for m, rs in runs.items()}
         ar_tokens, ar_tps = results["ar"].tokens[0], results["ar"].stats.tokens_per_s
@@ -135,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             s = res.stats
             row = {"source": source, "prompt": text[:80], "mode": mode, "new_tokens": s.new_tokens,
                    "tau": s.tau, "tokens_per_s": s.tokens_per_s, "ratio_to_ar": s.tokens_per_s / ar_tps,
-                   "identical_to_ar": res.tokens[0] == ar_tokens, "buckets": s.buckets,
+                   "identical_to_ar": res.tokens[0] == ar_tokens if sampling.greedy else None, "buckets": s.buckets,
                    "compilations_after_warmup": s.compilations_after_warmup, "steps": s.row_steps,
                    "seconds": s.ttft_s + s.decode_s}
             rows.append(row)
@@ -147,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             for b, n in s.buckets.items():
                 t["buckets"][b] = t["buckets"].get(b, 0) + n
             print(f"{source:>12} {mode:>9} tau {s.tau:5.2f} {s.tokens_per_s:8.1f} tok/s "
-                  f"x{row['ratio_to_ar']:.2f} identical={row['identical_to_ar']}", file=sys.stderr)
+                  f"x{row['ratio_to_ar']:.2f}" + (f" identical={row['identical_to_ar']}" if sampling.greedy else ""),
+                  file=sys.stderr)
     by_source: dict[str, dict[str, float]] = {}
     for src in dict.fromkeys(r["source"] for r in rows):
         by_source[src] = {}
@@ -158,12 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     overall = {m: {"tau": t["committed"] / t["steps"] if t["steps"] else 0.0,
                    "tokens_per_s": t["tokens"] / t["seconds"],
                    "ratio_to_ar": t["tokens"] / t["seconds"] / ar_rate, "buckets": t["buckets"],
-                   "all_identical_to_ar": all(r["identical_to_ar"] for r in rows if r["mode"] == m)}
+                   "all_identical_to_ar": (all(r["identical_to_ar"] for r in rows if r["mode"] == m)
+                                           if sampling.greedy else None)}
                for m, t in totals.items()}
     meta = {"device": device, "date": datetime.date.today().isoformat(), "target": str(target_path),
             "drafter": args.drafter, "dtype": target.dtype.name, "max_new_tokens": args.max_new_tokens,
             "buckets": list(buckets), "prompt_files": [Path(f).name for f in args.prompts],
-            "prompts": len(prompts), "lookup": args.lookup, "reps": args.reps, "commit": commit()}
+            "prompts": len(prompts), "lookup": args.lookup,
+            "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}, "reps": args.reps, "commit": commit()}
     training = Path(args.drafter) / "training.json"
     if training.is_file():  # how the drafter was trained travels with its numbers
         meta["drafter_training"] = json.loads(training.read_text())
@@ -172,13 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "overall": overall, "tau_by_source": by_source,
                                                                 "rows": rows}, indent=2))
     lines = [f"# {args.name}", "", f"{meta['device']}, {meta['date']}, {meta['dtype']}, drafter {args.drafter}, "
-             f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, T=0, context lookup {args.lookup}"
+             f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, {sampling_words(sampling)}, "
+             f"context lookup {args.lookup}"
              + (f", median-time run of {args.reps} per mode and prompt" if args.reps > 1 else ""), "",
              "| mode | tau | tokens/s | ratio to AR | identical to AR | buckets |", "|---|---|---|---|---|---|"]
     for m, o in overall.items():
         hist = " ".join(f"{b}:{n}" for b, n in sorted(o["buckets"].items()))
         lines.append(f"| {m} | {o['tau']:.2f} | {o['tokens_per_s']:.1f} | {o['ratio_to_ar']:.2f} | "
-                     f"{'yes' if o['all_identical_to_ar'] else 'NO'} | {hist} |")
+                     f"{identity_cell(o['all_identical_to_ar'])} | {hist} |")
     lines += ["", "tau by prompt set:", "", "| set | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
     for src, taus in by_source.items():
         lines.append(f"| {src} | " + " | ".join(f"{taus[m]:.2f}" for m in modes) + " |")

@@ -64,3 +64,25 @@ def test_results_name_a_dirty_checkout(monkeypatch):
     assert report.commit() == "abc1234"
     monkeypatch.setattr(subprocess, "run", fake(" M bastion_jax/modeling/prefix_kernel.py\n"))
     assert report.commit() == "abc1234+dirty"
+
+
+def test_harness_samples_at_temperature(tmp_path):
+    """At T > 0 every mode runs the sampling steps (calibrated and warmed for them: nothing compiles
+    while timed), answers are not compared, and the report says how it sampled."""
+    save_tiny_hf("qwen3", tmp_path / "hf", seed=4)
+    convert(tmp_path / "hf", tmp_path / "ckpt", dtype="float32")
+    prompts = tmp_path / "p.jsonl.gz"
+    with gzip.open(prompts, "wt") as f:
+        f.write(json.dumps({"question": "w5 w6 w7"}) + "\n")
+    rc = run.main(["--prompts", str(prompts), "--target", str(tmp_path / "ckpt"), "--block-size", "4",
+                   "--buckets", "1,4", "--modes", "bastion", "--max-new-tokens", "12", "--reps", "2",
+                   "--temperature", "0.8", "--top-p", "0.9", "--seed", "3", "--name", "hot",
+                   "--out-dir", str(tmp_path / "out"), "--dtype", "float32"])
+    assert rc == 0
+    data = json.loads((tmp_path / "out" / "hot.json").read_text())
+    assert data["meta"]["sampling"] == {"temperature": 0.8, "top_k": 0, "top_p": 0.9, "seed": 3}
+    assert all(r["identical_to_ar"] is None for r in data["rows"])
+    assert all(r["compilations_after_warmup"] == 0 for r in data["rows"])
+    assert data["overall"]["bastion"]["all_identical_to_ar"] is None
+    table = (tmp_path / "out" / "hot.md").read_text()
+    assert "T=0.8, top-p 0.9" in table and "| n/a |" in table and "NO" not in table
