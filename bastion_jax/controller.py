@@ -61,6 +61,30 @@ def parse_buckets(text: str) -> tuple[int, ...]:
     return buckets
 
 
+def batch_curve(curve: np.ndarray, active: np.ndarray, remaining: np.ndarray | None) -> np.ndarray:
+    """[n_buckets]: the accepted drafts a step of each bucket is worth to the batch's end (see
+    `tree_loop`'s docstring): min over active rows i of (r - r_i) + A_i(b), from the rows' surrogate curves
+    `curve` [batch, n_buckets] and `remaining` r_i [batch] (None: all rows level). One row: its curve."""
+    rows = curve[active] if active.any() else curve
+    if remaining is None or not active.any():
+        return rows.min(axis=0)
+    r = remaining[active]
+    return (rows + (r.max() - r)[:, None]).min(axis=0)
+
+
+def batch_progress(counts: np.ndarray, active: np.ndarray, remaining: np.ndarray | None) -> float:
+    """What a step that committed `counts` [batch] tokens per row accepted for the batch's end, in
+    `batch_curve`'s terms: min over active rows of (r - r_i) + min(c_i, r_i), less the one token
+    every step commits."""
+    if not active.any():
+        return 0.0
+    c = counts[active].astype(np.float64)
+    if remaining is None:
+        return float(c.min() - 1)
+    r = remaining[active]
+    return float((r.max() - r + np.minimum(c, r)).min() - 1)
+
+
 class Controller:
     """Chooses a bucket each step and counts how often each one was chosen."""
 
@@ -81,16 +105,18 @@ class Controller:
         self.histogram: collections.Counter[int] = collections.Counter()
 
     def choose(self, curve: np.ndarray, context: int, active: np.ndarray, path_probs: np.ndarray | None = None,
-               record: bool = True) -> int:
+               record: bool = True, remaining: np.ndarray | None = None) -> int:
         """curve: [batch, n_buckets] surrogate A(b) per row; context: longest committed length;
-        path_probs: [batch, n_nodes] per-node path probabilities (bastion-paper only)."""
+        path_probs: [batch, n_nodes] per-node path probabilities (bastion-paper only); remaining:
+        [batch] tokens each row may still emit (None: rows level). bastion maximises the tokens by
+        which a step brings the batch's end nearer per second (`batch_curve`: one row's
+        accepted drafts + 1; a batch ends with its last row, so its rows are not averaged)."""
         if self.policy.kind == "fixed":
             b = self.policy.size
         elif self.policy.kind == "bastion-paper":
             b = self.paper_size(path_probs[active].mean(axis=0) if active.any() else path_probs[0], context)
         else:
-            rows = curve[active] if active.any() else curve
-            expected = rows.sum(axis=0) + rows.shape[0]  # committed tokens per step over active rows
+            expected = batch_curve(curve, active, remaining) + 1.0
             cost = np.array([self.latency.predict(b, context) for b in self.buckets])
             b = self.buckets[int(np.argmax(expected / cost))]
         if record:

@@ -368,7 +368,7 @@ class Engine:
                 new = [toks[i, : counts[i]] for i in range(batch)]
             else:
                 state, toks, counts = loop.step(state, active, active_dev, lengths, next_params,
-                                                look_ahead, tree_ahead)
+                                                look_ahead, tree_ahead, rows.budget - rows.produced)
                 new = [toks[i, : counts[i]] for i in range(batch)]
             lengths = lengths + np.where(active, counts, 0).astype(np.int32)
             stats.steps += 1

@@ -12,6 +12,16 @@ tree step of a small bucket instead of a root step (`DraftGate.chain_bucket`): o
 after it (`chains`) or, when the gate drafts, one that drafts (`steps`). Such a step commits a
 variable number of tokens and is chosen on the chain just read, so nothing goes ahead of it.
 
+A batch. The engine's rows share every step and the request ends with its last row, so what a
+step is worth to a batch is how much nearer it brings that end: with r_i the tokens row i may still
+emit (its budget less what it produced) and r = max r_i, a step committing c_i tokens per row leaves
+max(r_i - c_i), i.e. brings the end min_i(r - r_i + c_i) tokens nearer (`batch_progress`), and the
+gate and the controller judge a tree by min_i(r - r_i + A_i(b)) + 1 (`batch_curve`) instead of the
+rows' mean. A row ahead of the last one by a whole block cannot be last after the step and weighs
+nothing; with one row both are the row's own numbers. A mean over rows let a batch of mixed prompts
+draft for its predictable rows while its hard rows, one token per step, set the number of steps:
+8 prompts (chat and gsm8k), CPU, 0.79-0.88x AR.
+
 Lookahead. The next step goes out before the host's bookkeeping, the engine's emission and the
 caller's streaming, so the device is busy while they run. Where it is known before this step is
 read, it goes out before the read: a root step that does not draft commits exactly one token per
@@ -39,7 +49,7 @@ from typing import Any, Callable, Collection, NamedTuple
 import jax
 import numpy as np
 
-from bastion_jax.controller import Controller
+from bastion_jax.controller import Controller, batch_curve, batch_progress
 from bastion_jax.draft_gate import DraftGate
 from bastion_jax.latency import AR, AR_DRAFT, LatencyModel, held
 from bastion_jax.tree_decoding import DRAFT, HOLD
@@ -92,8 +102,9 @@ class TreeLoop:
         self.chains = chains or {}
         self.params = (target_params, drafter_params)
         self.curve = np.asarray(curve)  # [batch, n_buckets]
+        self.remaining: np.ndarray | None = None  # [batch] tokens each row may still emit (`step`)
         if gate is not None:
-            gate.observe_tree(self.curve.mean(axis=0))
+            gate.observe_tree(batch_curve(self.curve, np.ones(len(self.curve), bool), None))
         self.holding = False  # the last step did not draft: no tree in hand, the next step is a root step
         self.hint: np.ndarray | None = None  # the lookup chain's curve after the last step that did not draft
         self.queued: Dispatched | None = None  # a step dispatched ahead
@@ -133,13 +144,15 @@ class TreeLoop:
         if self.holding:
             return self._dispatch_holding(context, state, active_dev, key, ahead=False)
         a = self.curve
-        if gate is not None and (not gate.use_tree(context, a[active].mean(axis=0))
-                                 or ctl.choose(a * gate.rho, context, active, record=False) == 1):
+        if gate is not None and (not gate.use_tree(context, batch_curve(a, active, self.remaining))
+                                 or ctl.choose(a * gate.rho, context, active, record=False,
+                                               remaining=self.remaining) == 1):
             # A plain AR step on the root (the tree in hand is dropped: drafting does not pay, or the
             # best bucket is the root alone, which a root step verifies without drafting).
             return self._dispatch_root(gate.root_then(context, self.hint), state, active_dev, key)
         probs = np.exp(np.asarray(state.tree.log_probs)) if self.kind == "bastion-paper" else None
-        b = ctl.choose(a * (gate.rho if gate else 1.0), context, active, probs, record=False)
+        b = ctl.choose(a * (gate.rho if gate else 1.0), context, active, probs, record=False,
+                       remaining=self.remaining)
         return self._dispatch_tree(b, state, active_dev, key)
 
     def _stopped(self, toks: np.ndarray, counts: np.ndarray, active: np.ndarray) -> bool:
@@ -150,13 +163,17 @@ class TreeLoop:
         return bool((np.isin(toks, self.stop_ids) & new)[active].any())
 
     def step(self, state, active: np.ndarray, active_dev, lengths: np.ndarray, next_key: Callable[[], Any],
-             look_ahead: bool, tree_ahead: bool = False) -> tuple[Any, np.ndarray, np.ndarray]:
+             look_ahead: bool, tree_ahead: bool = False, remaining: np.ndarray | None = None
+             ) -> tuple[Any, np.ndarray, np.ndarray]:
         """One step for the rows in `active` at committed lengths `lengths` [batch] (the longest active
         row is the context the latency model prices). next_key() gives the sampler of the step it is
         called for. `look_ahead`: a further step may still be needed (not every row is at its budget).
         `tree_ahead`: every active row has room for a whole tree step after this one (the next step
-        may then go out before this call returns). Returns (state, tokens [batch, n], counts [batch])."""
+        may then go out before this call returns). `remaining` [batch]: the tokens each row may still
+        emit (None: rows level), which weigh the rows of a batch (`batch_curve`). Returns (state,
+        tokens [batch, n], counts [batch])."""
         gate, ctl = self.gate, self.controller
+        self.remaining = remaining
         self.back_at = time.perf_counter()
         context = int(lengths[active].max())
         recorded = False  # the gate recorded this step already (when it dispatched the next one)
@@ -193,18 +210,21 @@ class TreeLoop:
             self.latency.observe(held(b) if b else AR, context, elapsed)
         if gate is not None:
             gate.chained += chain
+            progress = batch_progress(counts, active, remaining)
             if b and not chain:  # rho is the drafter's calibration
-                gate.observe_verify(b, float(self.curve[active, self.buckets.index(b)].mean()),
-                                    float(counts[active].mean() - 1))
+                gate.observe_verify(b, float(batch_curve(self.curve, active, remaining)[self.buckets.index(b)]),
+                                    progress)
             elif chain:  # (the chain's hit rates are learnt on device; its curve's bias here)
-                gate.observe_chain(b, cur.predicted, float(counts[active].mean() - 1))
+                gate.observe_chain(b, cur.predicted, progress)
             if not recorded:
                 gate.record(then, int(counts[active].max()))
-            if then == DRAFT:
-                gate.observe_tree(new_curve[active].mean(axis=0))
+        # The next step is judged with this one's tokens counted (the read's curves are for then).
+        self.remaining = None if remaining is None else np.maximum(remaining - counts, 0)
+        if gate is not None and then == DRAFT:
+            gate.observe_tree(batch_curve(new_curve, active, self.remaining))
         self.holding = then != DRAFT
         self.curve = new_curve
-        self.hint = new_curve[active].mean(axis=0) if self.holding and active.any() else None
+        self.hint = batch_curve(new_curve, active, self.remaining) if self.holding and active.any() else None
         # After the read: the next step, chosen now on what it showed, goes out before the host emits.
         if self.queued is None and tree_ahead and active.any() and not self._stopped(toks, counts, active):
             state, self.queued = self._dispatch_next(int((lengths + counts)[active].max()), state, active,

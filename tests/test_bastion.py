@@ -223,6 +223,51 @@ def test_controller_picks_bucket_maximising_tokens_per_second():
         Controller(Policy.parse("fixed:8"), (1, 4, 16), lat)
 
 
+def test_batch_curve_is_the_worth_of_a_step_to_the_batchs_last_row():
+    """A batch ends with its last row: a step is worth min_i(r - r_i + A_i) accepted drafts, not the
+    rows' mean. Brute force over committed counts checks `batch_progress`."""
+    from bastion_jax.controller import batch_curve, batch_progress
+
+    curves = np.array([[0.0, 3.0, 5.0], [0.0, 0.2, 0.3], [0.0, 2.0, 9.0]])
+    active = np.array([True, True, True])
+    np.testing.assert_allclose(batch_curve(curves[:1], active[:1], np.array([40])), curves[0])  # one row: its own
+    np.testing.assert_allclose(batch_curve(curves, active, np.array([40, 40, 40])), [0.0, 0.2, 0.3])
+    # Row 1 is 2 tokens ahead: worth its lead + its curve; row 2 the laggard with row 0.
+    np.testing.assert_allclose(batch_curve(curves, active, np.array([40, 38, 40])), [0.0, 2.0, 2.3])
+    # A row a whole block ahead can't be last after the step; an ended row never counts.
+    np.testing.assert_allclose(batch_curve(curves, active, np.array([40, 20, 40])), [0.0, 2.0, 5.0])
+    np.testing.assert_allclose(batch_curve(curves, np.array([True, False, True]), np.array([40, 40, 40])),
+                               [0.0, 2.0, 5.0])
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        remaining = rng.integers(1, 30, 4)
+        counts = rng.integers(1, 9, 4)
+        act = rng.random(4) < 0.8
+        if not act.any():
+            continue
+        before = remaining[act].max()
+        after = np.maximum(remaining - counts, 0)[act].max()
+        assert batch_progress(counts, act, remaining) == before - after - 1
+    assert batch_progress(np.array([3]), np.array([True]), None) == 2
+
+
+def test_controller_sizes_a_batchs_tree_for_its_last_row():
+    """One predictable row and one that accepts nothing: a tree step costs its price for both rows, and
+    the batch's end comes no sooner, so bastion takes the root alone (a mean over rows drafted)."""
+    dims = ModelDims(layers=2, hidden=64, n_q=4, n_kv=2, head_dim=16, ffn=128, vocab=96, bytes_per_value=4)
+    lat = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 4, 16))
+    lat.alpha.update({1: 0.0, 4: 0.0, 16: 0.0})
+    lat.beta.update({1: 1.0, 4: 1.5, 16: 4.0})
+    ctl = Controller(Policy.parse("bastion"), (1, 4, 16), lat)
+    curves = np.array([[0.0, 3.0, 12.0], [0.0, 0.1, 0.2]])
+    both = np.array([True, True])
+    assert ctl.choose(curves, 100, both, remaining=np.array([50, 50])) == 1
+    assert ctl.choose(curves, 100, both) == 1  # rows level when nothing says otherwise
+    # The hard row is 20 tokens ahead (it can't be last): the predictable row sizes the tree alone.
+    assert ctl.choose(curves, 100, both, remaining=np.array([50, 30])) == 16
+    assert ctl.choose(curves[:1], 100, both[:1], remaining=np.array([50])) == 16
+
+
 def test_online_correction_shrugs_off_an_outlier_and_follows_a_steady_error():
     dims = ModelDims(layers=2, hidden=64, n_q=4, n_kv=2, head_dim=16, ffn=128, vocab=96)
     lat = LatencyModel(dims, DevicePeaks("test", 1e12, 1e11), (1, 8))

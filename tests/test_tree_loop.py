@@ -391,3 +391,45 @@ def test_bastion_prices_bucket_one_by_its_drafting_root_steps(monkeypatch):
     assert ("dispatch", DRAFT) in log  # the gate probed: a drafting root step was timed
     assert lat.predict(1, 20) < before
     assert lat.predict(1, 20) == lat.predict(AR_DRAFT, 20)
+
+
+def test_a_batch_is_judged_by_its_last_row(monkeypatch):
+    """The gate learns from what a verified tree brought the batch's end (its last row), and judges the
+    next tree by the same measure (`controller.batch_curve`), with the step's tokens counted."""
+    batch = 2
+    seen = {}
+
+    class Gate(DraftGate):
+        def use_tree(self, context, curve=None):
+            seen.setdefault("use_tree", []).append(np.asarray(curve).copy())
+            return True
+
+        def observe_verify(self, bucket, surrogate, accepted):
+            seen["verify"] = (bucket, surrogate, accepted)
+
+        def observe_tree(self, curve):
+            seen["tree"] = np.asarray(curve).copy()
+
+    gate = Gate(BUCKETS, Latency().step_time, pending_slots=64, block_size=4)
+    first = np.array([[0.0, 2.5, 3.0], [0.0, 0.5, 1.0]])
+    after = np.array([[0.0, 1.0, 1.5], [0.0, 2.0, 2.5]])
+
+    def tree(tp, dp, state, active, key):
+        out = types.SimpleNamespace(tokens=np.zeros((batch, 4)), count=np.array([4, 1], np.int32))
+        return state, out, after
+
+    class Pinned(Controller):
+        def choose(self, *a, **k):
+            return 4
+
+    loop = TreeLoop("bastion", Pinned(Policy("bastion"), BUCKETS, Latency()), gate, {b: tree for b in BUCKETS},
+                    {}, Latency(), BUCKETS, None, None, first)
+    active = np.ones(batch, bool)
+    loop.step(None, active, active, np.full(batch, 10), lambda: None, True, False, np.array([30, 30]))
+    np.testing.assert_allclose(seen["use_tree"][0], [0.0, 0.5, 1.0])  # level rows: the worse one
+    # Row 0 committed 4, row 1 one: the batch's end came 1 token nearer, 0 accepted (the mean: 1.5).
+    assert seen["verify"] == (4, 0.5, 0.0)
+    # Now row 0 is 3 tokens ahead (27 left against 29): row 1's curve, or row 0's lead + its own.
+    np.testing.assert_allclose(seen["tree"], [0.0, 2.0, 2.5])
+    loop.step(None, active, active, np.full(batch, 12), lambda: None, True, False, np.array([26, 29]))
+    np.testing.assert_allclose(seen["use_tree"][1], [0.0, 2.0, 2.5])
