@@ -42,11 +42,15 @@ def calibration_path(engine, model: str):
     return cache_root() / "calibration" / f"{key}.json"
 
 
-def load_or_calibrate(engine, model: str, cache_len: int, sampling, skip: bool, log, prompt_bucket: int = 16) -> str:
+def load_or_calibrate(engine, model: str, cache_len: int, sampling, skip: bool, log, prompt_bucket: int = 16,
+                      batch: int = 1) -> str:
     """Reuse the calibration saved for exactly this setting, else profile now (unless `skip`), from a
-    prefill at `prompt_bucket` (the coming request's, so that its prefill compiles once).
+    prefill at `prompt_bucket` (the coming request's, so that its prefill compiles once), with
+    `batch` rows: the engine's latency model then prices steps of that many rows (a batch's steps
+    cost other multiples of an AR step than one row's, and the key holds the batch size).
     Only a run that profiled writes the file, right after the fit: online (EMA) corrections made
     while generating never reach it. Returns "reused", "profiled" or "skipped"."""
+    engine.latency = engine.latency.for_batch(batch)
     path = calibration_path(engine, model)
     dtype = engine.target.dtype.name
     if engine.latency.load(path, model, dtype, engine.top_k):
@@ -56,8 +60,9 @@ def load_or_calibrate(engine, model: str, cache_len: int, sampling, skip: bool, 
         log("latency calibration: skipped (roofline + online correction; nothing saved)")
         return "skipped"
     t0 = time.perf_counter()
-    samples = engine.calibrate(cache_len, sampling, prompt_bucket=prompt_bucket)
+    samples = engine.calibrate(cache_len, sampling, prompt_bucket=prompt_bucket, batch=batch)
     engine.latency.save(path, model, dtype, engine.top_k)
     log(f"latency calibration: profiled {len(samples)} step timings over buckets "
-        f"{','.join(map(str, engine.buckets))} in {time.perf_counter() - t0:.1f}s (saved to {path})")
+        f"{','.join(map(str, engine.buckets))}{f' at batch {batch}' if batch > 1 else ''} in "
+        f"{time.perf_counter() - t0:.1f}s (saved to {path})")
     return "profiled"

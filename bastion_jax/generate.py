@@ -185,15 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         # One cache length for every run of this request (the compared AR run too: same attention cost).
         cache_len = engine.cache_len_for([len(x) for x in ids], args.max_new_tokens, args.max_len,
                                          engine.slack(policy))
-        if policy.kind == "bastion":
-            if len(ids) == 1:
-                model = calibration_model(target, drafter, engine.draft_vocab, lookup=engine.lookup is not None,
-                                          datastore=engine.datastore)
-                load_or_calibrate(engine, model, cache_len, sampling, args.no_calibrate, log,
-                                  prefill_bucket(len(ids[0]), cache_len))
-            else:  # a saved profile times batch-1 steps: not this run's cost, and nothing is saved from here
-                log(f"latency calibration: not used for a batch of {len(ids)} prompts (steps of {len(ids)} rows "
-                    "priced by the roofline at that batch + online correction)")
+        if policy.kind == "bastion":  # (a batch's steps are profiled and saved at its own size)
+            model = calibration_model(target, drafter, engine.draft_vocab, lookup=engine.lookup is not None,
+                                      datastore=engine.datastore)
+            load_or_calibrate(engine, model, cache_len, sampling, args.no_calibrate, log,
+                              prefill_bucket(max(len(x) for x in ids), cache_len), batch=len(ids))
         gen = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, max_len=cache_len)
         if args.compare_ar:
             # Both modes compile and run once on these prompts before either is timed.

@@ -48,21 +48,24 @@ RANDOM_PAIR = ["--drafter", "random", "--block-size", "4", "--buckets", "1,4"]
 
 
 def test_only_a_run_that_profiled_writes_the_calibration(capsys, tiny_ckpt, tmp_path):
-    """--no-calibrate and batch runs never write a calibration (they used to save their online-corrected
-    model, which the next run then reused as if it were measured): the next normal run profiles afresh,
-    saves, and the one after reuses it. The last run also compares with AR at temperature 0."""
+    """--no-calibrate never writes a calibration (runs used to save their online-corrected model, which
+    the next run then reused as if it were measured); a batch profiles and saves at its own size,
+    which never prices one row: the next single-prompt run profiles afresh, saves, and the one after
+    reuses it, as does the next batch of that size. The last single run also compares with AR at
+    temperature 0."""
     single = ["w5 w6 w7", "--target", tiny_ckpt, "--no-chat", "--max-new-tokens", "16", *RANDOM_PAIR]
+    batch = ["w5 w6", "w7 w8 w9 w10", "--target", tiny_ckpt, "--no-chat", "--max-new-tokens", "8", *RANDOM_PAIR]
     calibration = tmp_path / "cache" / "calibration"
     rc, _, err = run(capsys, *single, "--no-calibrate")
     assert rc == 0 and "latency calibration: skipped" in err, err
-    rc, _, err = run(capsys, "w5 w6", "w7 w8 w9 w10", "--target", tiny_ckpt, "--no-chat", "--max-new-tokens", "8",
-                     *RANDOM_PAIR)
-    assert rc == 0 and "not used for a batch of 2 prompts" in err, err
     assert not calibration.exists() or not any(calibration.iterdir())
+    rc, _, err = run(capsys, *batch)
+    assert rc == 0 and "latency calibration: profiled" in err and "at batch 2" in err, err
+    assert len(list(calibration.iterdir())) == 1
     rc, out, err = run(capsys, *single)
-    assert rc == 0 and "latency calibration: profiled" in err, err
-    saved = list(calibration.iterdir())
-    assert len(saved) == 1
+    assert rc == 0 and "latency calibration: profiled" in err and "at batch" not in err, err
+    saved = [f for f in calibration.iterdir() if '"batch": 1' in f.read_text()]
+    assert len(saved) == 1 and len(list(calibration.iterdir())) == 2
     written = saved[0].read_text()
     rc, out2, err2 = run(capsys, *single, "--compare-ar")
     assert rc == 0 and "latency calibration: reused" in err2 and out2 == out, err2
@@ -71,6 +74,8 @@ def test_only_a_run_that_profiled_writes_the_calibration(capsys, tiny_ckpt, tmp_
     # Both timed runs were warmed up alike: neither compiled anything while being timed.
     assert "[compare] warm-up: bastion and ar" in err2
     assert err2.count("warm-up 0.0s (0 compiled, 0 after)") == 2, err2
+    rc, _, err = run(capsys, *batch)
+    assert rc == 0 and "latency calibration: reused" in err, err
 
 
 def test_calibration_key_follows_the_setting_not_the_spelling(tiny_ckpt, tmp_path, monkeypatch):
