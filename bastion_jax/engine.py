@@ -125,7 +125,9 @@ class Engine:
         self.executables = Executables(target, drafter, proposal=proposal, block_size=block_size,
                                        mask_token_id=mask_token_id, buckets=self.buckets, top_k=top_k,
                                        draft_vocab=draft_vocab, lookup=lookup, store=self.datastore)
-        self._gate_memory: dict = {}  # the draft gate's acceptance estimates, kept across requests
+        # Per batch size, the draft gate's acceptance estimates, kept across requests (a batch's are its
+        # last row's: `controller.batch_curve`, not one row's).
+        self._gate_memory: dict[int, dict] = {}
         self.latency = latency or self.default_latency_model()
         self._batch_latency: dict[int, LatencyModel] = {}  # models for other batch sizes than self.latency's
         self.warm: set[int] = set()  # ids of the executables that ran once (`warmup.warm_up`)
@@ -269,14 +271,15 @@ class Engine:
                 gate = DraftGate(self.buckets, latency.step_time, tree_decoding.pending_slots(self.block_size),
                                  self.block_size, held_rows=max(chains, default=1))
                 # What the gate learnt of this drafter's acceptance carries over to the next request.
-                gate.accepted_ema, gate.surrogate_ema, gate.verified = self._gate_memory.get(
+                memory = self._gate_memory.setdefault(batch, {})
+                gate.accepted_ema, gate.surrogate_ema, gate.verified = memory.get(
                     "calibration", (gate.accepted_ema, gate.surrogate_ema, gate.verified))
-                gate.a_bar = self._gate_memory.get("a_bar")
+                gate.a_bar = memory.get("a_bar")
                 # So does how long drafting has been failing (the probe interval): a request whose first
                 # tree or lookup chain pays drafts at once whatever the interval (`DraftGate.use_tree`,
                 # `root_then`), while text like the last request's is not probed from 4 again.
-                gate.probe = self._gate_memory.get("probe", gate.probe)
-                gate.chain_sums = dict(self._gate_memory.get("chains", {}))
+                gate.probe = memory.get("probe", gate.probe)
+                gate.chain_sums = dict(memory.get("chains", {}))
         else:
             prefill, step = (exe.ar if policy.kind == "ar" else exe.chain)(batch, bucket, cache_len, sampling)
         # Every executable this request may use runs once now, not inside the timed request.
@@ -385,7 +388,7 @@ class Engine:
         stats.compilations += self.compilations - before
         stats.compilations_after_warmup += compile_counter.compilations() - compiled_before_loop
         if policy.kind == "bastion" and gate is not None:
-            self._gate_memory.update(calibration=(gate.accepted_ema, gate.surrogate_ema, gate.verified),
+            self._gate_memory[batch].update(calibration=(gate.accepted_ema, gate.surrogate_ema, gate.verified),
                                      a_bar=gate.a_bar, probe=gate.probe, chains=gate.chain_sums)
             stats.chain_steps += gate.chained
         if controller is not None:
