@@ -3,7 +3,7 @@
     python -m benchmarks.run --prompts ../shared/data/gsm8k_test.jsonl.gz --max-prompts 10 \
         --drafter DIR --name smollm2-gsm8k
 
-Per prompt, per set and overall: tau (mean accepted + 1 per step), tokens/s, the ratio to AR
+Per prompt (or batch of prompts, `--batch`), per set and overall: tau (mean accepted + 1 per step), tokens/s, the ratio to AR
 measured in this run, the best fixed budget in hindsight, the bucket histogram, and whether the
 tokens equal AR's (they must at T=0; at T > 0, `--temperature`, each run draws its own samples and
 the answers are not compared: every mode samples the target's law exactly, so the figures are the
@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=1, help="rounds of every mode per prompt (rotated order); each "
                    "mode keeps its median-time run: a 2-core CPU drifts 10-20%% within a minute, so single "
                    "runs make noisy ratios (default 1)")
+    p.add_argument("--batch", type=int, default=1, help="prompts per request (consecutive prompts of the list, "
+                   "whose number must be a multiple of it): the tokens/s of a batch, which ends with its last row; "
+                   "bastion is calibrated at this size (default 1)")
     p.add_argument("--buckets", default="1,4,8,16,32,64")
     p.add_argument("--fixed", default="4,16,64", help="fixed:N sweep sizes (must be buckets)")
     p.add_argument("--draft-vocab", default="auto", help="drafter LM head over the N most frequent tokens: auto, "
@@ -86,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error(f"--reps must be >= 1, got {args.reps}")
+    if args.batch < 1:
+        p.error(f"--batch must be >= 1, got {args.batch}")
     from bastion_jax.sampling import SamplingConfig
 
     try:
@@ -134,39 +139,46 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [(Path(f).name.split(".")[0], t) for f in args.prompts for t in read_prompts(f, args.max_prompts)]
     except PromptError as e:
         raise SystemExit(f"error: {e}") from None
+    if len(prompts) % args.batch:
+        raise SystemExit(f"error: --batch {args.batch} needs a multiple of {args.batch} prompts, got {len(prompts)} "
+                         "(change --max-prompts or --prompts)")
     ids = [encode_prompt(tok, t) for _, t in prompts]
     longest = max(map(len, ids))
     # One cache length for every mode (the largest slack, the tree's), so all pay the same attention cost.
     cache_len = engine.cache_len_for([longest], args.max_new_tokens, None, engine.slack("bastion"))
     if not args.no_calibrate:
-        engine.calibrate(cache_len, sampling)
+        engine.calibrate(cache_len, sampling, batch=args.batch)
     device = jax.devices()[0].device_kind
     # Warm-up, untimed: every mode compiles and runs once at the measured shapes, so no mode's first
     # timed prompt pays for compilation or first-run allocations.
     for mode in modes:
-        engine.generate([ids[0]], max_new_tokens=min(8, args.max_new_tokens), mode=mode, max_len=cache_len,
+        engine.generate(ids[: args.batch], max_new_tokens=min(8, args.max_new_tokens), mode=mode, max_len=cache_len,
                         sampling=sampling, seed=args.seed)
     rows, totals = [], {m: {"tokens": 0, "seconds": 0.0, "committed": 0, "steps": 0, "buckets": {}} for m in modes}
-    for i, ((source, text), prompt) in enumerate(zip(prompts, ids)):
+    for i, first in enumerate(range(0, len(prompts), args.batch)):
+        group = range(first, first + args.batch)
+        batch = [ids[j] for j in group]
+        source = "+".join(dict.fromkeys(prompts[j][0] for j in group))
+        text = prompts[first][1][:80] + (f" (+{args.batch - 1} more)" if args.batch > 1 else "")
         # Modes run in a rotated order per prompt (prompt i starts with mode i mod M), so no mode is
         # always the first or the last one after another mode's run; rows are reported in mode order.
         order = modes[i % len(modes):] + modes[: i % len(modes)]
         runs: dict[str, list] = {m: [] for m in modes}
         for _ in range(args.reps):
             for m in order:
-                runs[m].append(engine.generate([prompt], max_new_tokens=args.max_new_tokens, mode=m, max_len=cache_len,
+                runs[m].append(engine.generate(batch, max_new_tokens=args.max_new_tokens, mode=m, max_len=cache_len,
                                                sampling=sampling, seed=args.seed + i))
         for m, rs in runs.items():
             if sampling.greedy and any(r.tokens != rs[0].tokens for r in rs):
                 raise SystemExit(f"error: {m} gave different tokens on repeated runs of one prompt at T=0")
         results = {m: median_run(rs) for m, rs in runs.items()}
-        ar_tokens, ar_tps = results["ar"].tokens[0], results["ar"].stats.tokens_per_s
+        ar_tokens, ar_tps = results["ar"].tokens, results["ar"].stats.tokens_per_s
         for mode in modes:
             res = results[mode]
             s = res.stats
-            row = {"source": source, "prompt": text[:80], "mode": mode, "new_tokens": s.new_tokens,
+            row = {"source": source, "prompt": text, "mode": mode, "new_tokens": s.new_tokens,
                    "tau": s.tau, "tokens_per_s": s.tokens_per_s, "ratio_to_ar": s.tokens_per_s / ar_tps,
-                   "identical_to_ar": res.tokens[0] == ar_tokens if sampling.greedy else None, "buckets": s.buckets,
+                   "identical_to_ar": res.tokens == ar_tokens if sampling.greedy else None, "buckets": s.buckets,
                    "compilations_after_warmup": s.compilations_after_warmup, "steps": s.row_steps,
                    "seconds": s.ttft_s + s.decode_s}
             rows.append(row)
@@ -196,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": device, "date": datetime.date.today().isoformat(), "target": str(target_path),
             "drafter": args.drafter, "dtype": target.dtype.name, "max_new_tokens": args.max_new_tokens,
             "buckets": list(buckets), "prompt_files": [Path(f).name for f in args.prompts],
-            "prompts": len(prompts), "lookup": args.lookup,
+            "prompts": len(prompts), "batch": args.batch, "lookup": args.lookup,
             "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}, "reps": args.reps, "commit": commit()}
     training = Path(args.drafter) / "training.json"
     if training.is_file():  # how the drafter was trained travels with its numbers
@@ -208,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# {args.name}", "", f"{meta['device']}, {meta['date']}, {meta['dtype']}, drafter {args.drafter}, "
              f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, {sampling_words(sampling)}, "
              f"context lookup {args.lookup}"
+             + (f", batches of {args.batch} prompts" if args.batch > 1 else "")
              + (f", median-time run of {args.reps} per mode and prompt" if args.reps > 1 else ""), "",
              "| mode | tau | tokens/s | ratio to AR | identical to AR | buckets |", "|---|---|---|---|---|---|"]
     for m, o in overall.items():

@@ -86,3 +86,28 @@ def test_harness_samples_at_temperature(tmp_path):
     assert data["overall"]["bastion"]["all_identical_to_ar"] is None
     table = (tmp_path / "out" / "hot.md").read_text()
     assert "T=0.8, top-p 0.9" in table and "| n/a |" in table and "NO" not in table
+
+
+def test_harness_times_batches(tmp_path, capsys):
+    """--batch N: consecutive prompts go out as one request, every mode's rows equal AR's at T=0, one
+    result row per batch and mode; a prompt count that is not a multiple of N is one error line."""
+    import pytest
+
+    save_tiny_hf("qwen3", tmp_path / "hf", seed=4)
+    convert(tmp_path / "hf", tmp_path / "ckpt", dtype="float32")
+    prompts = tmp_path / "p.jsonl.gz"
+    with gzip.open(prompts, "wt") as f:
+        f.write(json.dumps({"question": "w5 w6 w7"}) + "\n" + json.dumps({"question": "w9 w10 w11 w12 w13"}) + "\n")
+    common = ["--prompts", str(prompts), "--target", str(tmp_path / "ckpt"), "--block-size", "4", "--buckets", "1,4",
+              "--modes", "fixed:4,bastion", "--max-new-tokens", "10", "--out-dir", str(tmp_path / "out"),
+              "--dtype", "float32"]
+    assert run.main(common + ["--batch", "2", "--name", "b2"]) == 0
+    data = json.loads((tmp_path / "out" / "b2.json").read_text())
+    assert data["meta"]["batch"] == 2 and len(data["rows"]) == 3  # ar, fixed:4, bastion: one batch each
+    assert all(r["identical_to_ar"] for r in data["rows"])
+    assert all(r["compilations_after_warmup"] == 0 for r in data["rows"])
+    ar = next(r for r in data["rows"] if r["mode"] == "ar")
+    assert ar["new_tokens"] == 20 and ar["prompt"].endswith("(+1 more)")
+    assert "batches of 2 prompts" in (tmp_path / "out" / "b2.md").read_text()
+    with pytest.raises(SystemExit, match="--batch 3 needs a multiple of 3 prompts, got 2"):
+        run.main(common + ["--batch", "3", "--name", "b3"])
