@@ -61,28 +61,24 @@ def parse_buckets(text: str) -> tuple[int, ...]:
     return buckets
 
 
-def batch_curve(curve: np.ndarray, active: np.ndarray, remaining: np.ndarray | None) -> np.ndarray:
-    """[n_buckets]: the accepted drafts a step of each bucket is worth to the batch's end (see
-    `tree_loop`'s docstring): min over active rows i of (r - r_i) + A_i(b), from the rows' surrogate curves
-    `curve` [batch, n_buckets] and `remaining` r_i [batch] (None: all rows level). One row: its curve."""
-    rows = curve[active] if active.any() else curve
-    if remaining is None or not active.any():
-        return rows.min(axis=0)
-    r = remaining[active]
-    return (rows + (r.max() - r)[:, None]).min(axis=0)
+def last_rows(active: np.ndarray, remaining: np.ndarray | None, block_size: int) -> np.ndarray:
+    """[batch] bool: the active rows that may be the batch's last row after the next step, i.e. fewer
+    than `block_size` tokens ahead of the row with most tokens still to emit (`remaining` [batch]: a
+    step commits at most a block per row, so a row further ahead cannot be last). A batch ends with its
+    last row, so bastion judges a step by these rows (`batch_curve`). Every active row when
+    `remaining` is None or `block_size` is 0."""
+    if remaining is None or not block_size or not active.any():
+        return active
+    r = np.where(active, remaining, np.iinfo(np.int64).min)
+    return active & (r > r.max() - block_size)
 
 
-def batch_progress(counts: np.ndarray, active: np.ndarray, remaining: np.ndarray | None) -> float:
-    """What a step that committed `counts` [batch] tokens per row accepted for the batch's end, in
-    `batch_curve`'s terms: min over active rows of (r - r_i) + min(c_i, r_i), less the one token
-    every step commits."""
-    if not active.any():
-        return 0.0
-    c = counts[active].astype(np.float64)
-    if remaining is None:
-        return float(c.min() - 1)
-    r = remaining[active]
-    return float((r.max() - r + np.minimum(c, r)).min() - 1)
+def batch_curve(curve: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """[n_buckets]: the accepted drafts a step of each bucket is worth to a batch, from the rows'
+    surrogate curves `curve` [batch, n_buckets]: the least among `rows` (`last_rows`), since the batch
+    waits for whichever of them ends last; a mean let a batch draft for its predictable rows while its
+    hard ones set the number of steps. One row: its own curve."""
+    return (curve[rows] if rows.any() else curve).min(axis=0)
 
 
 class Controller:
@@ -105,18 +101,17 @@ class Controller:
         self.histogram: collections.Counter[int] = collections.Counter()
 
     def choose(self, curve: np.ndarray, context: int, active: np.ndarray, path_probs: np.ndarray | None = None,
-               record: bool = True, remaining: np.ndarray | None = None) -> int:
-        """curve: [batch, n_buckets] surrogate A(b) per row; context: longest committed length;
-        path_probs: [batch, n_nodes] per-node path probabilities (bastion-paper only); remaining:
-        [batch] tokens each row may still emit (None: rows level). bastion maximises the tokens by
-        which a step brings the batch's end nearer per second (`batch_curve`: one row's
-        accepted drafts + 1; a batch ends with its last row, so its rows are not averaged)."""
+               record: bool = True) -> int:
+        """curve: [batch, n_buckets] surrogate A(b) per row; context: longest committed length; active:
+        the rows that count (bastion: the rows that may end the batch, `last_rows`); path_probs:
+        [batch, n_nodes] per-node path probabilities (bastion-paper only). bastion maximises
+        (`batch_curve` + 1) / T(b): the tokens per second of the row the batch waits for."""
         if self.policy.kind == "fixed":
             b = self.policy.size
         elif self.policy.kind == "bastion-paper":
             b = self.paper_size(path_probs[active].mean(axis=0) if active.any() else path_probs[0], context)
         else:
-            expected = batch_curve(curve, active, remaining) + 1.0
+            expected = batch_curve(curve, active) + 1.0
             cost = np.array([self.latency.predict(b, context) for b in self.buckets])
             b = self.buckets[int(np.argmax(expected / cost))]
         if record:

@@ -112,7 +112,8 @@ class DraftGate:
     chain_sums: dict[int, tuple[float, float, int]] = dataclasses.field(default_factory=dict)
 
     def observe_tree(self, curve: np.ndarray) -> None:
-        """A fresh tree arrived: curve [n_buckets] = A(b) (mean over active rows)."""
+        """A fresh tree arrived: curve [n_buckets] = A(b) (of a batch: the least over the rows that may end
+        it, `controller.batch_curve`)."""
         curve = np.asarray(curve, np.float64)
         self.a_bar = curve if self.a_bar is None else (1 - self.rate) * self.a_bar + self.rate * curve
 

@@ -125,8 +125,8 @@ class Engine:
         self.executables = Executables(target, drafter, proposal=proposal, block_size=block_size,
                                        mask_token_id=mask_token_id, buckets=self.buckets, top_k=top_k,
                                        draft_vocab=draft_vocab, lookup=lookup, store=self.datastore)
-        # Per batch size, the draft gate's acceptance estimates, kept across requests (a batch's are its
-        # last row's: `controller.batch_curve`, not one row's).
+        # Per batch size, the draft gate's estimates, kept across requests (a batch's curves are its last
+        # rows': `controller.batch_curve`, not one row's).
         self._gate_memory: dict[int, dict] = {}
         self.latency = latency or self.default_latency_model()
         self._batch_latency: dict[int, LatencyModel] = {}  # models for other batch sizes than self.latency's
@@ -325,7 +325,7 @@ class Engine:
         active_dev, active_was = None, None  # the rows' active mask on the device, sent again only when it changes
         if policy.uses_tree:
             loop = TreeLoop(policy.kind, controller, gate, steps, roots, latency, self.buckets,
-                            exe.target_params, dstate, curve, chains, self.stop_ids)
+                            exe.target_params, dstate, curve, chains, self.stop_ids, self.block_size or 0)
         compiled_before_loop = compile_counter.compilations()
         queued = None  # AR: the next step's token, dispatched before this step's token was read
 

@@ -12,15 +12,13 @@ tree step of a small bucket instead of a root step (`DraftGate.chain_bucket`): o
 after it (`chains`) or, when the gate drafts, one that drafts (`steps`). Such a step commits a
 variable number of tokens and is chosen on the chain just read, so nothing goes ahead of it.
 
-A batch. The engine's rows share every step and the request ends with its last row, so what a
-step is worth to a batch is how much nearer it brings that end: with r_i the tokens row i may still
-emit (its budget less what it produced) and r = max r_i, a step committing c_i tokens per row leaves
-max(r_i - c_i), i.e. brings the end min_i(r - r_i + c_i) tokens nearer (`batch_progress`), and the
-gate and the controller judge a tree by min_i(r - r_i + A_i(b)) + 1 (`batch_curve`) instead of the
-rows' mean. A row ahead of the last one by a whole block cannot be last after the step and weighs
-nothing; with one row both are the row's own numbers. A mean over rows let a batch of mixed prompts
-draft for its predictable rows while its hard rows, one token per step, set the number of steps:
-8 prompts (chat and gsm8k), CPU, 0.79-0.88x AR.
+A batch. The engine's rows share every step and a request ends with its last row, so the gate and
+the controller judge a tree by the rows that may be last after the step (fewer than a block ahead of
+the one with most tokens still to emit, `controller.last_rows`): by the least of their surrogate
+curves (`controller.batch_curve`), not the rows' mean. With the mean a batch of mixed prompts drafted
+for its predictable rows while its hard ones, a token per step, set the number of steps (8 prompts,
+chat and gsm8k, CPU: 0.79-0.88x AR). rho stays the drafter's calibration: the rows' mean realised
+over their mean surrogate, at any batch size. One row: its own numbers, as before.
 
 Lookahead. The next step goes out before the host's bookkeeping, the engine's emission and the
 caller's streaming, so the device is busy while they run. Where it is known before this step is
@@ -49,7 +47,7 @@ from typing import Any, Callable, Collection, NamedTuple
 import jax
 import numpy as np
 
-from bastion_jax.controller import Controller, batch_curve, batch_progress
+from bastion_jax.controller import Controller, batch_curve, last_rows
 from bastion_jax.draft_gate import DraftGate
 from bastion_jax.latency import AR, AR_DRAFT, LatencyModel, held
 from bastion_jax.tree_decoding import DRAFT, HOLD
@@ -95,7 +93,7 @@ class TreeLoop:
 
     def __init__(self, kind: str, controller: Controller, gate: DraftGate | None, steps: dict, roots: dict | None,
                  latency: LatencyModel, buckets: tuple[int, ...], target_params, drafter_params, curve,
-                 chains: dict | None = None, stop_ids: Collection[int] = ()):
+                 chains: dict | None = None, stop_ids: Collection[int] = (), block_size: int = 0):
         self.kind, self.controller, self.gate = kind, controller, gate
         self.stop_ids = np.fromiter(stop_ids, np.int64)
         self.steps, self.roots, self.latency, self.buckets = steps, roots, latency, buckets
@@ -103,10 +101,12 @@ class TreeLoop:
         self.params = (target_params, drafter_params)
         self.curve = np.asarray(curve)  # [batch, n_buckets]
         self.remaining: np.ndarray | None = None  # [batch] tokens each row may still emit (`step`)
+        self.block_size = block_size  # the most tokens a step commits per row (`last_rows`; 0: every row counts)
         if gate is not None:
-            gate.observe_tree(batch_curve(self.curve, np.ones(len(self.curve), bool), None))
+            gate.observe_tree(batch_curve(self.curve, np.ones(len(self.curve), bool)))
         self.holding = False  # the last step did not draft: no tree in hand, the next step is a root step
         self.hint: np.ndarray | None = None  # the lookup chain's curve after the last step that did not draft
+        self.hint_mean: np.ndarray | None = None  # the same, the active rows' mean (what chain_rho learns on)
         self.queued: Dispatched | None = None  # a step dispatched ahead
         self.back_at = 0.0  # when the host last came back to the loop (its reads are timed from there)
 
@@ -119,7 +119,7 @@ class TreeLoop:
                        early: bool = False) -> tuple[Any, Dispatched]:
         ts = time.perf_counter()
         state, out, curve = (self.steps if then == DRAFT else self.chains)[b](*self.params, state, active_dev, key)
-        predicted = float(self.hint[self.buckets.index(b)]) if chain else 0.0
+        predicted = float(self.hint_mean[self.buckets.index(b)]) if chain else 0.0
         return state, Dispatched(b, then, out, curve, ts, chain, early, predicted)
 
     def _chain_bucket(self, context: int, then: int) -> int:
@@ -144,15 +144,15 @@ class TreeLoop:
         if self.holding:
             return self._dispatch_holding(context, state, active_dev, key, ahead=False)
         a = self.curve
-        if gate is not None and (not gate.use_tree(context, batch_curve(a, active, self.remaining))
-                                 or ctl.choose(a * gate.rho, context, active, record=False,
-                                               remaining=self.remaining) == 1):
+        last = last_rows(active, self.remaining, self.block_size)
+        if gate is not None and (not gate.use_tree(context, batch_curve(a, last))
+                                 or ctl.choose(a * gate.rho, context, last, record=False) == 1):
             # A plain AR step on the root (the tree in hand is dropped: drafting does not pay, or the
             # best bucket is the root alone, which a root step verifies without drafting).
             return self._dispatch_root(gate.root_then(context, self.hint), state, active_dev, key)
         probs = np.exp(np.asarray(state.tree.log_probs)) if self.kind == "bastion-paper" else None
-        b = ctl.choose(a * (gate.rho if gate else 1.0), context, active, probs, record=False,
-                       remaining=self.remaining)
+        b = ctl.choose(a * (gate.rho if gate else 1.0), context, last if self.kind == "bastion" else active, probs,
+                       record=False)
         return self._dispatch_tree(b, state, active_dev, key)
 
     def _stopped(self, toks: np.ndarray, counts: np.ndarray, active: np.ndarray) -> bool:
@@ -170,7 +170,7 @@ class TreeLoop:
         called for. `look_ahead`: a further step may still be needed (not every row is at its budget).
         `tree_ahead`: every active row has room for a whole tree step after this one (the next step
         may then go out before this call returns). `remaining` [batch]: the tokens each row may still
-        emit (None: rows level), which weigh the rows of a batch (`batch_curve`). Returns (state,
+        emit (None: every row counts), which say which rows may end the batch (`last_rows`). Returns (state,
         tokens [batch, n], counts [batch])."""
         gate, ctl = self.gate, self.controller
         self.remaining = remaining
@@ -210,21 +210,23 @@ class TreeLoop:
             self.latency.observe(held(b) if b else AR, context, elapsed)
         if gate is not None:
             gate.chained += chain
-            progress = batch_progress(counts, active, remaining)
-            if b and not chain:  # rho is the drafter's calibration
-                gate.observe_verify(b, float(batch_curve(self.curve, active, remaining)[self.buckets.index(b)]),
-                                    progress)
+            if b and not chain:  # rho is the drafter's calibration (the rows' means, at any batch size)
+                gate.observe_verify(b, float(self.curve[active, self.buckets.index(b)].mean()),
+                                    float(counts[active].mean() - 1))
             elif chain:  # (the chain's hit rates are learnt on device; its curve's bias here)
-                gate.observe_chain(b, cur.predicted, progress)
+                gate.observe_chain(b, cur.predicted, float(counts[active].mean() - 1))
             if not recorded:
                 gate.record(then, int(counts[active].max()))
         # The next step is judged with this one's tokens counted (the read's curves are for then).
         self.remaining = None if remaining is None else np.maximum(remaining - counts, 0)
+        last = last_rows(active, self.remaining, self.block_size)
         if gate is not None and then == DRAFT:
-            gate.observe_tree(batch_curve(new_curve, active, self.remaining))
+            gate.observe_tree(batch_curve(new_curve, last))
         self.holding = then != DRAFT
         self.curve = new_curve
-        self.hint = batch_curve(new_curve, active, self.remaining) if self.holding and active.any() else None
+        holds = self.holding and active.any()
+        self.hint = batch_curve(new_curve, last) if holds else None
+        self.hint_mean = new_curve[active].mean(axis=0) if holds else None
         # After the read: the next step, chosen now on what it showed, goes out before the host emits.
         if self.queued is None and tree_ahead and active.any() and not self._stopped(toks, counts, active):
             state, self.queued = self._dispatch_next(int((lengths + counts)[active].max()), state, active,

@@ -3,11 +3,11 @@
     python -m benchmarks.run --prompts ../shared/data/gsm8k_test.jsonl.gz --max-prompts 10 \
         --drafter DIR --name smollm2-gsm8k
 
-Per prompt (or batch of prompts, `--batch`), per set and overall: tau (mean accepted + 1 per step), tokens/s, the ratio to AR
-measured in this run, the best fixed budget in hindsight, the bucket histogram, and whether the
-tokens equal AR's (they must at T=0; at T > 0, `--temperature`, each run draws its own samples and
-the answers are not compared: every mode samples the target's law exactly, so the figures are the
-speed of the same sampling). Writes benchmarks/results/<name>.json, .md, .csv and .png,
+Per prompt (or batch of prompts, `--batch`), per set and overall: tau (mean accepted + 1 per step),
+tokens/s, the ratio to AR measured in this run, the best fixed budget in hindsight, the bucket
+histogram, and whether the tokens equal AR's (they must at T=0; at T > 0, `--temperature`, each mode
+draws its own samples and the answers are not compared: every mode samples the target's law
+exactly, so the figures are the speed of the same sampling). Writes benchmarks/results/<name>.json, .md, .csv and .png,
 stamped with device, date and commit. Prompt files are read in place, never copied.
 Runs on CPU with tiny models (slowly) and on GPU for real numbers.
 """
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                    "modes' answers are not compared with AR's")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
-    p.add_argument("--seed", type=int, default=0, help="RNG seed of the first prompt's runs (prompt i: seed + i)")
+    p.add_argument("--seed", type=int, default=0, help="RNG seed of the first request's runs (request i: "
+                   "seed + i; a mode's repeats draw the same samples)")
     p.add_argument("--name", default="bench", help="results file name (benchmarks/results/<name>.json)")
     p.add_argument("--no-calibrate", action="store_true")
     p.add_argument("--out-dir", default=str(RESULTS), help="where to write <name>.json/.md (default benchmarks/results)")
@@ -209,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
             "drafter": args.drafter, "dtype": target.dtype.name, "max_new_tokens": args.max_new_tokens,
             "buckets": list(buckets), "prompt_files": [Path(f).name for f in args.prompts],
             "prompts": len(prompts), "batch": args.batch, "lookup": args.lookup,
-            "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}, "reps": args.reps, "commit": commit()}
+            "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                         "seed": args.seed},
+            "reps": args.reps, "commit": commit()}
     training = Path(args.drafter) / "training.json"
     if training.is_file():  # how the drafter was trained travels with its numbers
         meta["drafter_training"] = json.loads(training.read_text())

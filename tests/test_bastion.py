@@ -223,32 +223,33 @@ def test_controller_picks_bucket_maximising_tokens_per_second():
         Controller(Policy.parse("fixed:8"), (1, 4, 16), lat)
 
 
-def test_batch_curve_is_the_worth_of_a_step_to_the_batchs_last_row():
-    """A batch ends with its last row: a step is worth min_i(r - r_i + A_i) accepted drafts, not the
-    rows' mean. Brute force over committed counts checks `batch_progress`."""
-    from bastion_jax.controller import batch_curve, batch_progress
+def test_a_batch_is_judged_by_the_rows_that_may_end_it():
+    """A batch ends with its last row: a step is judged by the rows that may be last after it (fewer
+    than a block ahead of the row with most tokens left), by the least of their curves, not the mean.
+    Brute force over every step's committed counts checks `last_rows`."""
+    from bastion_jax.controller import batch_curve, last_rows
 
     curves = np.array([[0.0, 3.0, 5.0], [0.0, 0.2, 0.3], [0.0, 2.0, 9.0]])
-    active = np.array([True, True, True])
-    np.testing.assert_allclose(batch_curve(curves[:1], active[:1], np.array([40])), curves[0])  # one row: its own
-    np.testing.assert_allclose(batch_curve(curves, active, np.array([40, 40, 40])), [0.0, 0.2, 0.3])
-    # Row 1 is 2 tokens ahead: worth its lead + its curve; row 2 the laggard with row 0.
-    np.testing.assert_allclose(batch_curve(curves, active, np.array([40, 38, 40])), [0.0, 2.0, 2.3])
-    # A row a whole block ahead can't be last after the step; an ended row never counts.
-    np.testing.assert_allclose(batch_curve(curves, active, np.array([40, 20, 40])), [0.0, 2.0, 5.0])
-    np.testing.assert_allclose(batch_curve(curves, np.array([True, False, True]), np.array([40, 40, 40])),
-                               [0.0, 2.0, 5.0])
+    every = np.array([True, True, True])
+    np.testing.assert_allclose(batch_curve(curves[:1], every[:1]), curves[0])  # one row: its own
+    np.testing.assert_allclose(batch_curve(curves, last_rows(every, np.array([40, 40, 40]), 16)), [0.0, 0.2, 0.3])
+    # Row 1 is a whole block ahead (it cannot be last after the step); an ended row never counts.
+    rows = last_rows(every, np.array([40, 24, 40]), 16)
+    assert rows.tolist() == [True, False, True]
+    np.testing.assert_allclose(batch_curve(curves, rows), [0.0, 2.0, 5.0])
+    assert last_rows(every, np.array([40, 25, 40]), 16).tolist() == [True, True, True]
+    assert last_rows(np.array([True, False, True]), np.array([10, 40, 30]), 16).tolist() == [False, False, True]
+    assert last_rows(every, None, 16).tolist() == [True] * 3 and last_rows(every, np.array([9, 1, 1]), 0).all()
     rng = np.random.default_rng(0)
-    for _ in range(200):
-        remaining = rng.integers(1, 30, 4)
-        counts = rng.integers(1, 9, 4)
-        act = rng.random(4) < 0.8
-        if not act.any():
+    for _ in range(300):
+        remaining = rng.integers(1, 40, 4)
+        active = rng.random(4) < 0.8
+        if not active.any():
             continue
-        before = remaining[act].max()
-        after = np.maximum(remaining - counts, 0)[act].max()
-        assert batch_progress(counts, act, remaining) == before - after - 1
-    assert batch_progress(np.array([3]), np.array([True]), None) == 2
+        rows = last_rows(active, remaining, 8)
+        for _ in range(20):  # any step (1..8 tokens a row): its last row is one of `rows`
+            after = np.where(active, remaining - rng.integers(1, 9, 4), -999)
+            assert rows[int(np.argmax(after))] and rows[after == after.max()].all()
 
 
 def test_controller_sizes_a_batchs_tree_for_its_last_row():
@@ -261,11 +262,10 @@ def test_controller_sizes_a_batchs_tree_for_its_last_row():
     ctl = Controller(Policy.parse("bastion"), (1, 4, 16), lat)
     curves = np.array([[0.0, 3.0, 12.0], [0.0, 0.1, 0.2]])
     both = np.array([True, True])
-    assert ctl.choose(curves, 100, both, remaining=np.array([50, 50])) == 1
-    assert ctl.choose(curves, 100, both) == 1  # rows level when nothing says otherwise
-    # The hard row is 20 tokens ahead (it can't be last): the predictable row sizes the tree alone.
-    assert ctl.choose(curves, 100, both, remaining=np.array([50, 30])) == 16
-    assert ctl.choose(curves[:1], 100, both[:1], remaining=np.array([50])) == 16
+    assert ctl.choose(curves, 100, both) == 1
+    # The hard row is 20 tokens ahead (it can't be last, `last_rows`): the other sizes the tree alone.
+    assert ctl.choose(curves, 100, np.array([True, False])) == 16
+    assert ctl.choose(curves[:1], 100, both[:1]) == 16
 
 
 def test_online_correction_shrugs_off_an_outlier_and_follows_a_steady_error():

@@ -66,9 +66,14 @@ def test_results_name_a_dirty_checkout(monkeypatch):
     assert report.commit() == "abc1234+dirty"
 
 
-def test_harness_samples_at_temperature(tmp_path):
+def test_harness_samples_at_temperature(tmp_path, monkeypatch):
     """At T > 0 every mode runs the sampling steps (calibrated and warmed for them: nothing compiles
     while timed), answers are not compared, and the report says how it sampled."""
+    from bastion_jax.engine import Engine
+
+    asked, real = [], Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, *a, **k: (asked.append((k["sampling"], k["seed"])),
+                                                                    real(self, *a, **k))[1])
     save_tiny_hf("qwen3", tmp_path / "hf", seed=4)
     convert(tmp_path / "hf", tmp_path / "ckpt", dtype="float32")
     prompts = tmp_path / "p.jsonl.gz"
@@ -86,6 +91,8 @@ def test_harness_samples_at_temperature(tmp_path):
     assert data["overall"]["bastion"]["all_identical_to_ar"] is None
     table = (tmp_path / "out" / "hot.md").read_text()
     assert "T=0.8, top-p 0.9" in table and "| n/a |" in table and "NO" not in table
+    assert asked and all(s.temperature == 0.8 and s.top_p == 0.9 for s, _ in asked)  # warm-up and timed runs
+    assert {seed for _, seed in asked} == {3}  # one request (prompt 0): seed + 0
 
 
 def test_harness_times_batches(tmp_path, capsys):

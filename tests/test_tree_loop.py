@@ -393,10 +393,11 @@ def test_bastion_prices_bucket_one_by_its_drafting_root_steps(monkeypatch):
     assert lat.predict(1, 20) == lat.predict(AR_DRAFT, 20)
 
 
-def test_a_batch_is_judged_by_its_last_row(monkeypatch):
-    """The gate learns from what a verified tree brought the batch's end (its last row), and judges the
-    next tree by the same measure (`controller.batch_curve`), with the step's tokens counted."""
-    batch = 2
+def test_a_batch_is_judged_by_the_rows_that_may_end_it(monkeypatch):
+    """The gate and the controller judge a batch's tree by the rows that may be last after the step
+    (`controller.last_rows`, from the `remaining` tokens the engine passes, with this step's tokens
+    counted for the next one), while rho learns the drafter's calibration from the rows' means."""
+    batch = 3
     seen = {}
 
     class Gate(DraftGate):
@@ -411,25 +412,32 @@ def test_a_batch_is_judged_by_its_last_row(monkeypatch):
             seen["tree"] = np.asarray(curve).copy()
 
     gate = Gate(BUCKETS, Latency().step_time, pending_slots=64, block_size=4)
-    first = np.array([[0.0, 2.5, 3.0], [0.0, 0.5, 1.0]])
-    after = np.array([[0.0, 1.0, 1.5], [0.0, 2.0, 2.5]])
+    first = np.array([[0.0, 2.5, 3.0], [0.0, 0.5, 1.0], [0.0, 0.2, 0.4]])
+    after = np.array([[0.0, 1.0, 1.5], [0.0, 2.0, 2.5], [0.0, 0.1, 0.1]])
+    chosen = []
 
     def tree(tp, dp, state, active, key):
-        out = types.SimpleNamespace(tokens=np.zeros((batch, 4)), count=np.array([4, 1], np.int32))
+        out = types.SimpleNamespace(tokens=np.zeros((batch, 4)), count=np.array([4, 1, 1], np.int32))
         return state, out, after
 
-    class Pinned(Controller):
-        def choose(self, *a, **k):
+    class Recording(Controller):
+        def choose(self, curve, context, active, *a, **k):
+            chosen.append(np.asarray(active).copy())
             return 4
 
-    loop = TreeLoop("bastion", Pinned(Policy("bastion"), BUCKETS, Latency()), gate, {b: tree for b in BUCKETS},
-                    {}, Latency(), BUCKETS, None, None, first)
+    loop = TreeLoop("bastion", Recording(Policy("bastion"), BUCKETS, Latency()), gate, {b: tree for b in BUCKETS},
+                    {}, Latency(), BUCKETS, None, None, first, block_size=4)
     active = np.ones(batch, bool)
-    loop.step(None, active, active, np.full(batch, 10), lambda: None, True, False, np.array([30, 30]))
-    np.testing.assert_allclose(seen["use_tree"][0], [0.0, 0.5, 1.0])  # level rows: the worse one
-    # Row 0 committed 4, row 1 one: the batch's end came 1 token nearer, 0 accepted (the mean: 1.5).
-    assert seen["verify"] == (4, 0.5, 0.0)
-    # Now row 0 is 3 tokens ahead (27 left against 29): row 1's curve, or row 0's lead + its own.
-    np.testing.assert_allclose(seen["tree"], [0.0, 2.0, 2.5])
-    loop.step(None, active, active, np.full(batch, 12), lambda: None, True, False, np.array([26, 29]))
-    np.testing.assert_allclose(seen["use_tree"][1], [0.0, 2.0, 2.5])
+    # Row 2 is a whole block (4) ahead: it cannot be last after the step, so it does not count.
+    loop.step(None, active, active, np.full(batch, 10), lambda: None, True, False, np.array([30, 30, 26]))
+    np.testing.assert_allclose(seen["use_tree"][0], [0.0, 0.5, 1.0])  # the worse of rows 0 and 1
+    assert chosen[-1].tolist() == [True, True, False]
+    assert seen["verify"] == (4, pytest.approx((2.5 + 0.5 + 0.2) / 3), pytest.approx(1.0))  # rows' means
+    # Then 26 / 29 / 25 tokens left: row 1 is the last; row 0 (3 ahead) and row 2 (4 ahead) ...
+    np.testing.assert_allclose(seen["tree"], [0.0, 1.0, 1.5])  # ... row 0 may still be last, row 2 not
+    loop.step(None, active, active, np.full(batch, 12), lambda: None, True, False, np.array([26, 29, 25]))
+    assert chosen[-1].tolist() == [True, True, False]
+    # The engine's count decides (a row cut short at its stop id is inactive): row 1 alone.
+    loop.step(None, np.array([False, True, True]), active, np.full(batch, 14), lambda: None, True, False,
+              np.array([22, 28, 24]))
+    assert chosen[-1].tolist() == [False, True, False]
