@@ -289,7 +289,9 @@ def test_engine_verifies_held_chains_and_keeps_greedy_output(converted):
     res = engine.generate(prompts, max_new_tokens=40, mode="bastion")
     assert res.tokens == ar and len(ar[1]) <= 21 and ar[1][-1] == stop and len(ar[0]) == 40
     s = res.stats
-    assert s.chain_steps >= 5 and s.tau > 1.3, s  # held chains verified, and accepted
+    # Held chains verified, and accepted. (A batch verifies a chain when it pays for every row that
+    # may end the batch, `controller.last_rows`: 3 such steps here, 5+ under the rows' mean before.)
+    assert s.chain_steps >= 2 and s.tau > 1.3, s
     assert s.compilations_after_warmup == 0
 
 
