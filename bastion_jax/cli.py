@@ -72,6 +72,19 @@ DATASTORE_HELP = ("with --lookup on, also offer chains copied from text the targ
                   "(the default drafter does), off, or a file from `train_drafter datastore`. Output is unchanged")
 
 
+def add_sampling_flags(parser, *, temperature_help: str = "", seed_help: str = "RNG seed for sampling (default 0)"
+                       ) -> None:
+    """--temperature, --top-k, --top-p (named as transformers and vLLM name them) and --seed, for
+    `SamplingConfig(args.temperature, args.top_k, args.top_p)`; `temperature_help` is added to the
+    temperature's help."""
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy (default); > 0 samples" + temperature_help)
+    parser.add_argument("--top-k", dest="top_k", type=int, default=0,
+                        help="sampling: keep only the k most likely tokens (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    parser.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
 def add_lookup_flag(parser) -> None:
     parser.add_argument("--lookup", default="on", choices=["on", "off"], help=LOOKUP_HELP)
     parser.add_argument("--datastore", default="auto", help=DATASTORE_HELP)

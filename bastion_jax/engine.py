@@ -389,7 +389,7 @@ class Engine:
         stats.compilations_after_warmup += compile_counter.compilations() - compiled_before_loop
         if policy.kind == "bastion" and gate is not None:
             self._gate_memory[batch].update(calibration=(gate.accepted_ema, gate.surrogate_ema, gate.verified),
-                                     a_bar=gate.a_bar, probe=gate.probe, chains=gate.chain_sums)
+                                            a_bar=gate.a_bar, probe=gate.probe, chains=gate.chain_sums)
             stats.chain_steps += gate.chained
         if controller is not None:
             for b, n in controller.histogram.items():

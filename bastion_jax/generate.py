@@ -8,8 +8,8 @@ import sys
 import time
 
 from bastion_jax.calibration import calibration_model, load_or_calibrate
-from bastion_jax.cli import (add_lookup_flag, dtype_note, fail, resolve_dtype, resolve_lookup, stderr_log,
-                            use_compilation_cache)
+from bastion_jax.cli import (add_lookup_flag, add_sampling_flags, dtype_note, fail, resolve_dtype, resolve_lookup,
+                             stderr_log, use_compilation_cache)
 
 DEFAULT_PROMPT_HELP = "With no --target, the embedded SmolLM2-135M-Instruct is used."
 DEFAULT_BLOCK_SIZE = 16  # of a --drafter random
@@ -51,13 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help=f"block size of a --drafter random (default {DEFAULT_BLOCK_SIZE}; "
                    "a loaded drafter has its own)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="maximum new tokens per prompt (default 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-k", dest="top_k", type=int, default=0,
-                   help="sampling: keep only the k most likely tokens (0 = off)")
+    add_sampling_flags(p)
     p.add_argument("--sample-top-k", "--sampling-top-k", dest="top_k", type=int, default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the old spelling of --top-k
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
-    p.add_argument("--seed", type=int, default=0, help="RNG seed for sampling (default 0)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template; use the raw prompt")
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],

@@ -7,8 +7,8 @@ Per prompt (or batch of prompts, `--batch`), per set and overall: tau (mean acce
 tokens/s, the ratio to AR measured in this run, the best fixed budget in hindsight, the bucket
 histogram, and whether the tokens equal AR's (they must at T=0; at T > 0, `--temperature`, each mode
 draws its own samples and the answers are not compared: every mode samples the target's law
-exactly, so the figures are the speed of the same sampling). Writes benchmarks/results/<name>.json, .md, .csv and .png,
-stamped with device, date and commit. Prompt files are read in place, never copied.
+exactly, so the figures are the speed of the same sampling). Writes benchmarks/results/<name>.json,
+.md, .csv and .png, stamped with device, date and commit. Prompt files are read in place, never copied.
 Runs on CPU with tiny models (slowly) and on GPU for real numbers.
 """
 
@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from bastion_jax.cli import add_lookup_flag, use_compilation_cache
+from bastion_jax.cli import add_lookup_flag, add_sampling_flags, use_compilation_cache
 from bastion_jax.acceptance import STANDARD_SETS, PromptError, read_prompts, resolve_prompt_file
 from benchmarks.report import commit, markdown_table, per_set, plot, write_csv
 
@@ -78,12 +78,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(default 128)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: the checkpoint's own dtype")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, and the "
-                   "modes' answers are not compared with AR's")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
-    p.add_argument("--seed", type=int, default=0, help="RNG seed of the first request's runs (request i: "
-                   "seed + i; a mode's repeats draw the same samples)")
+    add_sampling_flags(p, temperature_help=", and the modes' answers are not compared with AR's",
+                       seed_help="RNG seed of the first request's runs (request i: seed + i; a mode's repeats "
+                       "draw the same samples)")
     p.add_argument("--name", default="bench", help="results file name (benchmarks/results/<name>.json)")
     p.add_argument("--no-calibrate", action="store_true")
     p.add_argument("--out-dir", default=str(RESULTS), help="where to write <name>.json/.md (default benchmarks/results)")
