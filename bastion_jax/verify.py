@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bastion_jax.modeling.cache import KVCache, write_layer_rows
+from bastion_jax.modeling.cache import KVCache, slot_index, write_slots
 
 
 def walk(tokens: jax.Array, parents: jax.Array, choices: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array]:
@@ -41,10 +41,10 @@ def compact_cache(cache: KVCache, start: jax.Array, path: jax.Array, active: jax
     # one-slot window makes XLA copy the whole cache buffer).
     if path.shape[1] == 1:
         return cache
-    # every layer at once: [layers, b, max_len, kv_heads, d]
-    src, rows = start[:, None] + path, jnp.arange(path.shape[0])[:, None]  # [b, L] slots of the accepted nodes
+    # every layer at once: [layers, b, kv_heads, max_len, d]
+    src = slot_index(None, start, path.shape[1])[:3] + (start[:, None] + path,)  # the accepted nodes' slots
 
     def move_all(buf):
-        return write_layer_rows(buf, None, buf[:, rows, src], start, active)
+        return write_slots(buf, None, buf[src], start, active)  # [b, L, layers, kv_heads, d] moved
 
     return KVCache(k=move_all(cache.k), v=move_all(cache.v))

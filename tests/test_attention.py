@@ -35,6 +35,12 @@ def dense_mask(lengths: np.ndarray, new_mask: np.ndarray, max_len: int) -> np.nd
     return out
 
 
+def heads_first(*caches: jax.Array) -> list[jax.Array]:
+    """[b, max_len, kv, d] (the dense reference's keys, written by `write_rows`) -> the cache's
+    layout [b, kv, max_len, d]."""
+    return [c.swapaxes(1, 2) for c in caches]
+
+
 def check(rng, *, b, max_len, lengths, new_mask, hq=4, hkv=2, d=8, dtype=jnp.float32, tol=2e-5, **chunks):
     t, t_k = new_mask.shape[1:]
     q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
@@ -43,13 +49,13 @@ def check(rng, *, b, max_len, lengths, new_mask, hq=4, hkv=2, d=8, dtype=jnp.flo
     k_new = jnp.asarray(rng.normal(size=(b, t_k, hkv, d)) * 3, dtype)
     v_new = jnp.asarray(rng.normal(size=(b, t_k, hkv, d)), dtype)
     length = jnp.asarray(lengths, jnp.int32)
-    got = attend_split(q, k_cache, v_cache, length, k_new, v_new, jnp.asarray(new_mask), **chunks)
+    got = attend_split(q, *heads_first(k_cache, v_cache), length, k_new, v_new, jnp.asarray(new_mask), **chunks)
     want = attend(q, write_rows(k_cache, k_new, length), write_rows(v_cache, v_new, length),
                   jnp.asarray(dense_mask(np.asarray(lengths), new_mask, max_len)))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
-    # The models' form: one layer (here 1, a traced index) of stacked caches [layers, b, max_len, kv, d],
+    # The models' form: one layer (here 1, a traced index) of stacked caches [layers, b, kv, max_len, d],
     # read in place, the other layers holding other values.
-    stacked = [jnp.stack([-c, c, c * 0 + 5]) for c in (k_cache, v_cache)]
+    stacked = [jnp.stack([-c, c, c * 0 + 5]) for c in heads_first(k_cache, v_cache)]
     in_place = jax.jit(lambda i: attend_split(q, *stacked, length, k_new, v_new, jnp.asarray(new_mask), layer=i,
                                               **chunks))(jnp.int32(1))
     np.testing.assert_allclose(np.asarray(in_place, np.float32), np.asarray(got, np.float32), rtol=1e-6, atol=1e-6)
@@ -102,8 +108,9 @@ def test_prefix_loop_stops_at_the_live_context():
     k, v = k_cache[:, :t], v_cache[:, :t]
     length = jnp.asarray([5, 16], jnp.int32)
     mask = causal_mask(b, t)
+    k_cache, v_cache = heads_first(k_cache, v_cache)
     clean = attend_split(q, k_cache, v_cache, length, k, v, mask, prefix_chunk=8)
-    poisoned = attend_split(q, k_cache.at[:, 16:].set(jnp.nan), v_cache.at[:, 16:].set(jnp.nan), length, k, v,
+    poisoned = attend_split(q, k_cache.at[:, :, 16:].set(jnp.nan), v_cache.at[:, :, 16:].set(jnp.nan), length, k, v,
                             mask, prefix_chunk=8)
     np.testing.assert_array_equal(np.asarray(clean), np.asarray(poisoned))
     assert np.isfinite(np.asarray(clean)).all()
@@ -135,7 +142,7 @@ def test_compiled_steps_never_copy_a_cache_buffer(slots, scan):
     roots = exe.roots(1, slots, SamplingConfig())
     compiled = {"decode": decode, **{f"tree_step({b})": s.exe for b, s in steps.items()},
                 **{f"root_step({t})": r.exe for t, r in roots.items()}}
-    copy = re.compile(r"= \w+\[(\d+,)?1,%d,\d+,\d+\]\{[^}]*\} copy\(" % slots)  # ([layers,] 1, slots, ...)
+    copy = re.compile(r"= \w+\[(\d+,)?1,\d+,%d,\d+\]\{[^}]*\} copy\(" % slots)  # ([layers,] 1, kv, slots, d)
     for name, exe_ in compiled.items():
         copies = [line.strip() for line in exe_.as_text().splitlines() if copy.search(line)]
         assert not copies, (name, copies[:2])
@@ -148,8 +155,8 @@ def test_nothing_committed_reads_no_prefix(t):
     rng = np.random.default_rng(t)
     b, max_len, hq, hkv, d = 2, 24, 4, 2, 8
     q = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.float32)
-    k_cache = jnp.asarray(rng.normal(size=(b, max_len, hkv, d)) * 3, jnp.float32)
-    v_cache = jnp.asarray(rng.normal(size=(b, max_len, hkv, d)), jnp.float32)
+    k_cache = jnp.asarray(rng.normal(size=(b, hkv, max_len, d)) * 3, jnp.float32)
+    v_cache = jnp.asarray(rng.normal(size=(b, hkv, max_len, d)), jnp.float32)
     k_new = jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.float32)
     v_new = jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.float32)
     mask = causal_mask(b, t)
@@ -178,7 +185,7 @@ def test_causal_prefill_tiles_match_dense(t, tile, dtype, tol):
     q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
     k = jnp.asarray(rng.normal(size=(b, t, hkv, d)) * 3, dtype)
     v = jnp.asarray(rng.normal(size=(b, t, hkv, d)), dtype)
-    garbage = jnp.asarray(rng.normal(size=(b, max_len, hkv, d)), dtype)  # never read: nothing is committed
+    garbage = jnp.asarray(rng.normal(size=(b, hkv, max_len, d)), dtype)  # never read: nothing is committed
     mask = causal_mask(b, t)
     full = Causal(jnp.full((b,), t, jnp.int32))
     got = attend_split(q, garbage, garbage, None, k, v, full, prefill_tile=tile)
@@ -200,7 +207,7 @@ def test_causal_prefill_skips_the_padding_tiles():
     q, k, v = (np.asarray(rng.normal(size=(b, t, h, d)), np.float32) for h in (hq, hkv, hkv))
     for x in (q, k, v):
         x[:, 48:] = np.nan
-    garbage = jnp.zeros((b, 8, hkv, d))
+    garbage = jnp.zeros((b, hkv, 8, d))
     got = np.asarray(jax.jit(lambda *a: attend_split(*a, prefill_tile=tile))(
         jnp.asarray(q), garbage, garbage, None, jnp.asarray(k), jnp.asarray(v), Causal(jnp.asarray(lengths))))
     assert np.isfinite(got).all() and (got[:, 48:] == 0).all()

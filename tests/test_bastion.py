@@ -98,8 +98,8 @@ def test_compaction_equals_sequential_cache(converted):
     ref = KVCache.create(target.config, 1, 64, jnp.float32)
     zero = jnp.zeros(1, jnp.int32)
     ref = model(jnp.asarray(seq[None]), jnp.arange(length)[None], ref, zero, causal_mask(zero.shape[0], length)).cache
-    for got, want in ((state.target_cache.k, ref.k), (state.target_cache.v, ref.v)):  # [layers, b, slots, ...]
-        np.testing.assert_allclose(np.asarray(got)[:, 0, :length], np.asarray(want)[:, 0, :length], atol=1e-5)
+    for got, want in ((state.target_cache.k, ref.k), (state.target_cache.v, ref.v)):  # [layers, b, kv, slots, d]
+        np.testing.assert_allclose(np.asarray(got)[:, 0, :, :length], np.asarray(want)[:, 0, :, :length], atol=1e-5)
 
 
 def test_sampling_through_trees_matches_target_distribution(vocab6_target):

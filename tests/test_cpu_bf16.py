@@ -98,7 +98,7 @@ def test_a_float32_cache_of_bf16_values_attends_as_the_bf16_cache():
     b, max_len, t, hq, hkv, d = 1, 600, 3, 4, 2, 16
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     q = bf(rng.normal(size=(b, t, hq, d)))
-    k_cache, v_cache = bf(rng.normal(size=(b, max_len, hkv, d)) * 3), bf(rng.normal(size=(b, max_len, hkv, d)))
+    k_cache, v_cache = bf(rng.normal(size=(b, hkv, max_len, d)) * 3), bf(rng.normal(size=(b, hkv, max_len, d)))
     k_new, v_new = bf(rng.normal(size=(b, t, hkv, d)) * 3), bf(rng.normal(size=(b, t, hkv, d)))
     mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None])
     length = jnp.asarray([500], jnp.int32)  # two trips of the prefix loop

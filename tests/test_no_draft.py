@@ -106,8 +106,8 @@ def test_drafter_context_equals_injecting_every_committed_token(pair):
     ref = d.inject(feats, zero, jnp.asarray([length], jnp.int32), KVCache.create(drafter.config, 1, 128, target.dtype),
                    target.dtype)
     ctx = length - pend
-    for got_kv, want_kv in ((state.drafter_cache.k, ref.k), (state.drafter_cache.v, ref.v)):  # [layers, b, slots, ...]
-        np.testing.assert_allclose(np.asarray(got_kv)[:, 0, :ctx], np.asarray(want_kv)[:, 0, :ctx], atol=1e-5)
+    for got_kv, want_kv in ((state.drafter_cache.k, ref.k), (state.drafter_cache.v, ref.v)):  # [layers, b, kv, slots, d]
+        np.testing.assert_allclose(np.asarray(got_kv)[:, 0, :, :ctx], np.asarray(want_kv)[:, 0, :, :ctx], atol=1e-5)
     np.testing.assert_allclose(np.asarray(state.pending)[0, :pend], np.asarray(feats)[0, ctx:length], atol=1e-5)
 
 

@@ -21,8 +21,8 @@ def interpreted():
 
 def _inputs(rng, b, t, slots, hq=4, hkv=2, d=16, dtype=jnp.float32):
     q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
-    k_cache = jnp.asarray(rng.normal(size=(b, slots, hkv, d)) * 3, dtype)
-    v_cache = jnp.asarray(rng.normal(size=(b, slots, hkv, d)), dtype)
+    k_cache = jnp.asarray(rng.normal(size=(b, hkv, slots, d)) * 3, dtype)  # the cache's layout
+    v_cache = jnp.asarray(rng.normal(size=(b, hkv, slots, d)), dtype)
     return q, k_cache, v_cache
 
 
@@ -34,8 +34,8 @@ def test_kernel_partial_equals_the_xla_loop(t, lengths):
     rng = np.random.default_rng(t)
     q, k_cache, v_cache = _inputs(rng, len(lengths), t, 256)
     length = jnp.asarray(lengths, jnp.int32)
-    qg = _group(q, k_cache.shape[2])
-    want = attention.prefix(empty(q, k_cache.shape[2]), qg, k_cache, v_cache, length)
+    qg = _group(q, k_cache.shape[1])
+    want = attention.prefix(empty(q, k_cache.shape[1]), qg, k_cache, v_cache, length)
     got = prefix_kernel.prefix(qg, k_cache, v_cache, length, interpret=True)
     seen = np.asarray(lengths) > 0
     for name in ("m", "l", "acc"):
@@ -46,12 +46,12 @@ def test_kernel_partial_equals_the_xla_loop(t, lengths):
 
 @pytest.mark.parametrize("t", [3, 40])
 def test_kernel_reads_one_layer_of_a_stacked_cache(t):
-    """With scanned layers the cache is [layers, b, slots, kv, d]: the kernel reads layer `layer` (a traced
+    """With scanned layers the cache is [layers, b, kv, slots, d]: the kernel reads layer `layer` (a traced
     index inside the scan) in place, as the loop does; t = 40: two row blocks."""
     rng = np.random.default_rng(4)
     q, _, _ = _inputs(rng, 2, t, 128)
-    k_stack = jnp.asarray(rng.normal(size=(3, 2, 128, 2, 16)) * 3, jnp.float32)
-    v_stack = jnp.asarray(rng.normal(size=(3, 2, 128, 2, 16)), jnp.float32)
+    k_stack = jnp.asarray(rng.normal(size=(3, 2, 2, 128, 16)) * 3, jnp.float32)
+    v_stack = jnp.asarray(rng.normal(size=(3, 2, 2, 128, 16)), jnp.float32)
     length = jnp.asarray([10, 100], jnp.int32)
     qg = _group(q, 2)
     for layer in (0, 2):
@@ -68,8 +68,8 @@ def test_stale_slots_never_reach_the_output():
     length = jnp.asarray([10, 70], jnp.int32)
     qg = _group(q, 2)
     clean = prefix_kernel.prefix(qg, k_cache, v_cache, length, interpret=True)
-    dirty = prefix_kernel.prefix(qg, k_cache.at[:, 70:].set(jnp.nan).at[0, 10:].set(jnp.nan),
-                                 v_cache.at[:, 70:].set(jnp.nan).at[0, 10:].set(jnp.nan), length, interpret=True)
+    dirty = prefix_kernel.prefix(qg, k_cache.at[:, :, 70:].set(jnp.nan).at[0, :, 10:].set(jnp.nan),
+                                 v_cache.at[:, :, 70:].set(jnp.nan).at[0, :, 10:].set(jnp.nan), length, interpret=True)
     for name in ("m", "l", "acc"):
         np.testing.assert_array_equal(np.asarray(getattr(clean, name)), np.asarray(getattr(dirty, name)))
 
@@ -90,8 +90,9 @@ def test_split_attention_with_the_kernel_equals_dense(interpreted):
     for r, n in enumerate(lengths):
         dense[r, :, :n] = True
         dense[r, :, n:n + t] = tree
-    want = attend(q, write_rows(k_cache, k_new, jnp.asarray(lengths)), write_rows(v_cache, v_new, jnp.asarray(lengths)),
-                  jnp.asarray(dense))
+    slot_major = [c.swapaxes(1, 2) for c in (k_cache, v_cache)]  # [b, slots, kv, d]: the dense reference's keys
+    want = attend(q, write_rows(slot_major[0], k_new, jnp.asarray(lengths)),
+                  write_rows(slot_major[1], v_new, jnp.asarray(lengths)), jnp.asarray(dense))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
@@ -129,7 +130,7 @@ def test_kernel_lowers_to_triton_for_cuda(dtype, t, hq, hkv, d, slots):
     """No GPU needed: lowering for the CUDA platform runs the Pallas -> Triton lowering of the kernel
     body (what a GPU compiles from), so an op Triton cannot take fails here."""
     qg = jax.ShapeDtypeStruct((2, t, hkv, hq // hkv, d), dtype)
-    cache = jax.ShapeDtypeStruct((2, slots, hkv, d), dtype)
+    cache = jax.ShapeDtypeStruct((2, hkv, slots, d), dtype)
     length = jax.ShapeDtypeStruct((2,), jnp.int32)
     check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     exported = jax.export.export(jax.jit(prefix_kernel.prefix), platforms=["cuda"], disabled_checks=[check])(

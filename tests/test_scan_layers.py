@@ -36,7 +36,7 @@ def test_layouts(both):
     assert w.shape[0] == n
     np.testing.assert_array_equal(np.asarray(w[1]), np.asarray(flat.state["layers"][1]["mlp"]["up_proj"]["weight"][...]))
     cache = KVCache.create(scanned.config, 2, 32, jnp.float32)
-    shape = (n, 2, 32, flat.config.num_key_value_heads, flat.config.head_dim)
+    shape = (n, 2, flat.config.num_key_value_heads, 32, flat.config.head_dim)  # each head's slots contiguous
     assert cache.k.shape == cache.v.shape == shape
     assert KVCache.create(flat.config, 2, 32, jnp.float32).k.shape == shape  # one layout, scanned or not
 

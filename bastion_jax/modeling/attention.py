@@ -62,12 +62,12 @@ def empty(q: jax.Array, kv_heads: int) -> Partial:
 
 
 def update(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array | None) -> Partial:
-    """Fold keys k, v [b, s, kv_heads, d] into `part`; visible: [b or 1, t or 1, s] bool, or None
+    """Fold keys k, v [b, kv_heads, s, d] (the cache's order: each head's slots contiguous) into `part`; visible: [b or 1, t or 1, s] bool, or None
     when every query sees every key (no masking work at all).
 
     qg: [b, t, kv_heads, groups, d] grouped queries."""
     d = qg.shape[-1]
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(qg.dtype), preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(qg.dtype), preferred_element_type=jnp.float32)
     scores = scores * (d ** -0.5)  # [b, kv_heads, groups, t, s]
     if visible is not None:
         vis = visible[:, None, None]  # [b, 1, 1, t, s]
@@ -80,7 +80,7 @@ def update(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, visible: ja
     # p rounded to the compute dtype (q's) whatever the cache holds (`cache.storage_dtype`: float32
     # for a bf16 model on CPU): a step reads part of its keys from the cache and part fresh, and AR
     # and a tree split them differently, so both parts must round alike for their outputs to agree.
-    pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(qg.dtype), v.astype(qg.dtype),
+    pv = jnp.einsum("bkgts,bksd->bkgtd", p.astype(qg.dtype), v.astype(qg.dtype),
                     preferred_element_type=jnp.float32)
     return Partial(m, part.l * scale + p.sum(axis=-1), part.acc * scale[..., None] + pv)
 
@@ -89,7 +89,7 @@ def chunked(part: Partial, qg: jax.Array, read: Callable[[jax.Array, int], tuple
             size: int, n_chunks: jax.Array | int, chunk: int,
             visible: Callable[[jax.Array, jax.Array], jax.Array]) -> Partial:
     """Fold `size` keys in `n_chunks` trips of `chunk` slots (a traced count stops the loop at the
-    live context). read(start, chunk) -> k, v [b, chunk, kv_heads, d] of slots start..; visible(slots
+    live context). read(start, chunk) -> k, v [b, kv_heads, chunk, d] of slots start..; visible(slots
     [chunk], first [1]) -> [b, t or 1, chunk] says which of the chunk's slots each query sees; slots
     before `first` were folded by the previous trip (the last chunk is shifted back to fit in
     `size`, never clamped past it)."""
@@ -105,33 +105,33 @@ def chunked(part: Partial, qg: jax.Array, read: Callable[[jax.Array, int], tuple
 
 
 def _slots(k: jax.Array, v: jax.Array) -> Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]:
-    """`chunked`'s read for keys k, v [b, S, kv_heads, d]: slots start..start + n of both."""
+    """`chunked`'s read for keys k, v [b, kv_heads, S, d]: slots start..start + n of both."""
 
     def read(start, n):
-        return jax.lax.dynamic_slice_in_dim(k, start, n, axis=1), jax.lax.dynamic_slice_in_dim(v, start, n, axis=1)
+        return jax.lax.dynamic_slice_in_dim(k, start, n, axis=2), jax.lax.dynamic_slice_in_dim(v, start, n, axis=2)
 
     return read
 
 
 def prefix(part: Partial, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array,
            chunk: int = PREFIX_CHUNK, layer: int | jax.Array | None = None) -> Partial:
-    """Fold the committed prefix: cache slots < length[b] of k_cache, v_cache [b, max_len, kv_heads, d],
-    or with `layer`, of that layer of stacked caches [layers, b, max_len, kv_heads, d], read chunk by
+    """Fold the committed prefix: cache slots < length[b] of k_cache, v_cache [b, kv_heads, max_len, d],
+    or with `layer`, of that layer of stacked caches [layers, b, kv_heads, max_len, d], read chunk by
     chunk straight from the stacked buffer."""
 
     def visible(slots, first):
         return ((slots >= first)[None] & (slots[None] < length[:, None]))[:, None, :]  # [b, 1, chunk]
 
     if layer is None:
-        size, read = k_cache.shape[1], _slots(k_cache, v_cache)
+        size, read = k_cache.shape[2], _slots(k_cache, v_cache)
     else:
-        _, b, size, hkv, d = k_cache.shape
+        _, b, hkv, size, d = k_cache.shape
         if size <= chunk:  # one read covers the cache (a loop over a whole-buffer slice makes XLA copy the cache)
             k_l, v_l = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (k_cache, v_cache))
             return update(part, qg, k_l, v_l, (jnp.arange(size)[None] < length[:, None])[:, None, :])
 
         def read(start, n):
-            at, shape = (layer, 0, start, 0, 0), (1, b, n, hkv, d)
+            at, shape = (layer, 0, 0, start, 0), (1, b, hkv, n, d)
             return jax.lax.dynamic_slice(k_cache, at, shape)[0], jax.lax.dynamic_slice(v_cache, at, shape)[0]
     step = min(chunk, size)
     n_chunks = (jnp.max(length) + step - 1) // step  # trips up to the batch's last live slot
@@ -140,8 +140,8 @@ def prefix(part: Partial, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
 def new_keys(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
              chunk: int = NEW_CHUNK) -> Partial:
-    """Fold the step's own keys k, v [b, t_k, kv_heads, d] seen through mask [b, t, t_k]."""
-    size = k.shape[1]
+    """Fold the step's own keys k, v [b, kv_heads, t_k, d] seen through mask [b, t, t_k]."""
+    size = k.shape[2]
     if size <= chunk:
         return update(part, qg, k, v, mask)
 
@@ -159,7 +159,7 @@ def causal(qg: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tile: 
     Half the work of folding every key through a `[t, t]` mask, no mask to build or gather, and no
     score matrix larger than [tile, tile] per head. Query tiles past the batch's longest row,
     lengths [b], are padding and not attended (their output is 0). qg: [b, t, kv_heads, groups, d]
-    (t a multiple of `tile`); k, v: [b, t, kv_heads, d]."""
+    (t a multiple of `tile`); k, v: [b, kv_heads, t, d]."""
     b, t, hkv, g, d = qg.shape
     diagonal = jnp.tril(jnp.ones((tile, tile), bool))[None]  # [1, tile, tile]
 
@@ -167,11 +167,11 @@ def causal(qg: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tile: 
         q_i = jax.lax.dynamic_slice_in_dim(qg, i * tile, tile, axis=1)  # [b, tile, kv_heads, groups, d]
 
         def key_tile(j, acc):
-            k_j, v_j = (jax.lax.dynamic_slice_in_dim(x, j * tile, tile, axis=1) for x in (k, v))
+            k_j, v_j = (jax.lax.dynamic_slice_in_dim(x, j * tile, tile, axis=2) for x in (k, v))
             return update(acc, q_i, k_j, v_j, None)
 
         acc = jax.lax.fori_loop(0, i, key_tile, empty(q_i.reshape(b, tile, hkv * g, d), hkv))  # left of the diagonal
-        k_i, v_i = (jax.lax.dynamic_slice_in_dim(x, i * tile, tile, axis=1) for x in (k, v))
+        k_i, v_i = (jax.lax.dynamic_slice_in_dim(x, i * tile, tile, axis=2) for x in (k, v))
         acc = update(acc, q_i, k_i, v_i, diagonal)
         return Partial(*(jax.lax.dynamic_update_slice_in_dim(whole, x, i * tile, axis=3)
                          for whole, x in zip(part, acc)))
@@ -193,9 +193,9 @@ def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: j
                  prefix_chunk: int = PREFIX_CHUNK, new_chunk: int = NEW_CHUNK,
                  prefill_tile: int = PREFILL_TILE) -> jax.Array:
     """Attention of q [b, t, q_heads, d] over the cache prefix (slots < length[b] of k_cache/v_cache
-    [b, max_len, kv_heads, d], or of layer `layer` of stacked ones [layers, b, max_len, kv_heads, d])
-    and the new keys k, v [b, t_k, kv_heads, d] through mask [b, t, t_k], or a `Causal` mask, which a
-    long prefill attends tile by tile (`causal`).
+    [b, kv_heads, max_len, d], or of layer `layer` of stacked ones [layers, b, kv_heads, max_len, d])
+    and the new keys k, v [b, t_k, kv_heads, d] (as the projections give them) through mask
+    [b, t, t_k], or a `Causal` mask, which a long prefill attends tile by tile (`causal`).
 
     `length` None says, at trace time, that nothing is committed (a prefill): the prefix is not
     read at all. (A constant zero length gives the same result, but XLA:GPU then constant-folds the
@@ -208,16 +208,17 @@ def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: j
     Returns [b, t, q_heads * d]; equal to `attend` over [prefix | new] up to float rounding."""
     qg = _group(q, k.shape[2])
     t = q.shape[1]
+    k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [b, kv_heads, t_k, d]: the cache's order
     if isinstance(mask, Causal):
         if length is None and t > prefill_tile and t % prefill_tile == 0:
             return finish(causal(qg, k, v, mask.lengths, prefill_tile), q.dtype)
         mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (q.shape[0], t, t))
-    slots = k_cache.shape[1 if layer is None else 2]
+    slots = k_cache.shape[-2]
     kernel = prefix_kernel_mode(q.shape[-1], slots)
     if length is None:
-        part = empty(q, k.shape[2])
+        part = empty(q, k.shape[1])
     elif kernel is None:
-        part = prefix(empty(q, k.shape[2]), qg, k_cache, v_cache, length, prefix_chunk, layer)
+        part = prefix(empty(q, k.shape[1]), qg, k_cache, v_cache, length, prefix_chunk, layer)
     else:
         from bastion_jax.modeling import prefix_kernel
 

@@ -2,7 +2,8 @@
 
 On GPU the XLA loop of `attention.prefix` launches a few small kernels per 256-slot chunk and
 layer; this kernel reads each row's live slots straight from the cache in its own
-`[batch, slots, kv_heads, head_dim]` layout (no transpose, no copy of the cache), for every query of
+`[batch, kv_heads, slots, head_dim]` layout (no transpose, no copy of the cache; each head's block of
+slots is one contiguous run), for every query of
 the step at once: a tree's n nodes x a kv head's query group are the rows of one matrix, since every
 query sees the whole prefix (the tree mask only concerns the step's own keys), cut into blocks of at
 most MAX_ROWS rows (each block reads the prefix once: once per step up to 16 tree nodes at 4 query
@@ -56,7 +57,7 @@ def _splits(slots: int, block_k: int) -> int:
 def _kernel(offset_ref, length_ref, q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref, *, block_k: int, split_len: int,
             scale: float):
     """One (row, kv head, row block, split): q_ref [R, d] (R <= MAX_ROWS); k_ref, v_ref the whole cache
-    [rows, slots, kv_heads, d] (this program reads row offset + its batch row, its kv head, its split's
+    [rows, kv_heads, slots, d] (this program reads row offset + its batch row, its kv head, its split's
     slots, block by block);
     writes acc [R, d], l and m [R] of the live slots (< length) in the split."""
     row, head, split = offset_ref[()] + pl.program_id(0), pl.program_id(1), pl.program_id(3)
@@ -69,9 +70,9 @@ def _kernel(offset_ref, length_ref, q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref, 
     def body(i, carry):
         acc, l, m = carry
         at = pl.ds(first + i * block_k, block_k)
-        k = k_ref[row, at, head, :]  # [block_k, d]
+        k = k_ref[row, head, at, :]  # [block_k, d]
         live = (first + i * block_k + jnp.arange(block_k)) < length  # [block_k]
-        v = jnp.where(live[:, None], v_ref[row, at, head, :], 0)  # stale slots never reach the output, even as 0 * nan
+        v = jnp.where(live[:, None], v_ref[row, head, at, :], 0)  # stale slots never reach the output, even as 0 * nan
         s = jnp.dot(q, k.astype(q.dtype).T, preferred_element_type=jnp.float32) * scale  # [R, block_k]
         s = jnp.where(live[None, :], s, NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=-1))
@@ -92,14 +93,14 @@ def _kernel(offset_ref, length_ref, q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref, 
 def prefix(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, layer: jax.Array | int | None = None,
            *, block_k: int = BLOCK_K, interpret: bool = False) -> Partial:
     """Attention partial of qg [b, t, kv_heads, groups, d] over slots < length[b] of k_cache, v_cache
-    [b, slots, kv_heads, d] (or, with `layer`, of that layer of stacked caches [layers, b, slots,
-    kv_heads, d], read in place): what `attention.prefix` computes from an empty partial."""
+    [b, kv_heads, slots, d] (or, with `layer`, of that layer of stacked caches [layers, b, kv_heads,
+    slots, d], read in place): what `attention.prefix` computes from an empty partial."""
     b, t, hkv, g, d = qg.shape
     offset = jnp.zeros((), jnp.int32)
-    if layer is not None:  # [layers * b, slots, kv, d]: a free reshape; the kernel reads rows layer * b + i
+    if layer is not None:  # [layers * b, kv, slots, d]: a free reshape; the kernel reads rows layer * b + i
         offset = jnp.asarray(layer, jnp.int32) * b
         k_cache, v_cache = (c.reshape((-1,) + c.shape[2:]) for c in (k_cache, v_cache))
-    slots = k_cache.shape[1]
+    slots = k_cache.shape[2]
     splits = _splits(slots, block_k)
     split_len = slots // splits
     rows = g * t
