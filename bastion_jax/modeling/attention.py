@@ -23,13 +23,15 @@ by training and by the tests that check the split against it.
 
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 NEG_INF = jnp.finfo(jnp.float32).min
-PREFIX_CHUNK = 256  # cache slots per trip of the prefix loop
+PREFIX_CHUNK = 256  # cache slots per trip of the prefix loop (off CPU; see `prefix_chunk_default`)
+CPU_PREFIX_CHUNK = 128  # the same on CPU
 NEW_CHUNK = 512  # new keys per trip once a step has more than this many (long prefills)
 PREFILL_TILE = 256  # queries and keys per tile of a causal prefill (`causal`)
 
@@ -113,14 +115,34 @@ def _slots(k: jax.Array, v: jax.Array) -> Callable[[jax.Array, int], tuple[jax.A
     return read
 
 
+def prefix_chunk_default() -> int:
+    """Cache slots per trip of the prefix loop: `CPU_PREFIX_CHUNK` on CPU, `PREFIX_CHUNK` elsewhere
+    ($BASTION_PREFIX_CHUNK, read when a step is traced, overrides both; for measuring).
+
+    On CPU a trip's small products run no faster for being wide, and the last trip's slots past the
+    live length are computed and thrown away: 30 SmolLM2 layers of a 16-query tree step's prefix
+    took 7.5 ms at context 30 with 256-slot trips and 4.1 ms with 128-slot ones (2.2 with 64), and
+    no more at context 700 (20.4 against 21.0 ms). Whole SmolLM2 AR steps (`benchmarks.step_costs`,
+    two interleaved runs each): 29.6 / 29.1 ms -> 24.9 / 26.2 at context 64, 27.9 / 29.7 -> 28.1 /
+    25.5 at context 256, where 64-slot trips (four of them) were no faster (30.0 / 30.6). Off CPU
+    the prefix kernel reads the prefix where it can, and the loop keeps fewer, wider trips (a launch
+    per op per trip)."""
+    env = os.environ.get("BASTION_PREFIX_CHUNK")
+    if env:
+        return int(env)
+    return CPU_PREFIX_CHUNK if jax.default_backend() == "cpu" else PREFIX_CHUNK
+
+
 def prefix(part: Partial, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array,
-           chunk: int = PREFIX_CHUNK, layer: int | jax.Array | None = None) -> Partial:
+           chunk: int | None = None, layer: int | jax.Array | None = None) -> Partial:
     """Fold the committed prefix: cache slots < length[b] of k_cache, v_cache [b, kv_heads, max_len, d],
     or with `layer`, of that layer of stacked caches [layers, b, kv_heads, max_len, d], read chunk by
     chunk straight from the stacked buffer."""
 
     def visible(slots, first):
         return ((slots >= first)[None] & (slots[None] < length[:, None]))[:, None, :]  # [b, 1, chunk]
+
+    chunk = chunk or prefix_chunk_default()
 
     if layer is None:
         size, read = k_cache.shape[2], _slots(k_cache, v_cache)
@@ -190,7 +212,7 @@ def finish(part: Partial, dtype: jnp.dtype) -> jax.Array:
 
 def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array | None, k: jax.Array,
                  v: jax.Array, mask: jax.Array | Causal, *, layer: int | jax.Array | None = None,
-                 prefix_chunk: int = PREFIX_CHUNK, new_chunk: int = NEW_CHUNK,
+                 prefix_chunk: int | None = None, new_chunk: int = NEW_CHUNK,
                  prefill_tile: int = PREFILL_TILE) -> jax.Array:
     """Attention of q [b, t, q_heads, d] over the cache prefix (slots < length[b] of k_cache/v_cache
     [b, kv_heads, max_len, d], or of layer `layer` of stacked ones [layers, b, kv_heads, max_len, d])
