@@ -101,7 +101,7 @@ def test_a_float32_cache_of_bf16_values_attends_as_the_bf16_cache():
     k_cache, v_cache = bf(rng.normal(size=(b, hkv, max_len, d)) * 3), bf(rng.normal(size=(b, hkv, max_len, d)))
     k_new, v_new = bf(rng.normal(size=(b, t, hkv, d)) * 3), bf(rng.normal(size=(b, t, hkv, d)))
     mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None])
-    length = jnp.asarray([500], jnp.int32)  # two trips of the prefix loop
+    length = jnp.asarray([500], jnp.int32)  # several trips of the prefix loop
     run = jax.jit(lambda kc, vc: attend_split(q, kc, vc, length, k_new, v_new, mask))
     want = run(k_cache, v_cache)
     got = run(k_cache.astype(jnp.float32), v_cache.astype(jnp.float32))

@@ -64,7 +64,8 @@ def empty(q: jax.Array, kv_heads: int) -> Partial:
 
 
 def update(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array | None) -> Partial:
-    """Fold keys k, v [b, kv_heads, s, d] (the cache's order: each head's slots contiguous) into `part`; visible: [b or 1, t or 1, s] bool, or None
+    """Fold keys k, v [b, kv_heads, s, d] (the cache's order: each head's slots contiguous) into
+    `part`; visible: [b or 1, t or 1, s] bool, or None
     when every query sees every key (no masking work at all).
 
     qg: [b, t, kv_heads, groups, d] grouped queries."""
@@ -119,16 +120,18 @@ def prefix_chunk_default() -> int:
     """Cache slots per trip of the prefix loop: `CPU_PREFIX_CHUNK` on CPU, `PREFIX_CHUNK` elsewhere
     ($BASTION_PREFIX_CHUNK, read when a step is traced, overrides both; for measuring).
 
-    On CPU a trip's small products run no faster for being wide, and the last trip's slots past the
-    live length are computed and thrown away: 30 SmolLM2 layers of a 16-query tree step's prefix
-    took 7.5 ms at context 30 with 256-slot trips and 4.1 ms with 128-slot ones (2.2 with 64), and
-    no more at context 700 (20.4 against 21.0 ms). Whole SmolLM2 AR steps (`benchmarks.step_costs`,
-    two interleaved runs each): 29.6 / 29.1 ms -> 24.9 / 26.2 at context 64, 27.9 / 29.7 -> 28.1 /
-    25.5 at context 256, where 64-slot trips (four of them) were no faster (30.0 / 30.6). Off CPU
-    the prefix kernel reads the prefix where it can, and the loop keeps fewer, wider trips (a launch
-    per op per trip)."""
+    On CPU the last trip computes every slot of its chunk, live or not, and narrower trips cost
+    little more each: 30 SmolLM2 layers of a 16-query tree step's prefix took 7.5 ms at context 30
+    with 256-slot trips, 4.1 with 128 and 2.2 with 64, and about the same at context 700 (21.0,
+    20.4, 20.7 ms). One query (AR) gained 2.4 -> 1.2 ms at context 30 from 128-slot trips and kept
+    256's speed at long contexts, where 64-slot ones lost (8.2 against 6.1 ms at 700): 128 is the
+    compromise (`benchmarks/prefix_trips.py`; whole steps at these sizes moved by less than the
+    machine's drift). Off CPU the prefix kernel reads the prefix where it can, and the loop keeps
+    fewer, wider trips (a launch per op per trip)."""
     env = os.environ.get("BASTION_PREFIX_CHUNK")
-    if env:
+    if env:  # (read at trace time: a process's steps already traced keep the trips they had)
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"BASTION_PREFIX_CHUNK must be a positive number of slots, not {env!r}")
         return int(env)
     return CPU_PREFIX_CHUNK if jax.default_backend() == "cpu" else PREFIX_CHUNK
 

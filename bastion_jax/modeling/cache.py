@@ -90,13 +90,14 @@ def write_layer_rows(buf: jax.Array, layer: int | jax.Array | None, new: jax.Arr
     return write_slots(buf, layer, new, start, active)
 
 
-def slot_index(layer: int | jax.Array | None, start: jax.Array, t: int) -> tuple:
+def slot_index(layer: int | jax.Array | None, start: jax.Array, t: int, slots: jax.Array | None = None) -> tuple:
     """The index of slots start[b] + j (j < t) of every row of a stacked buffer [layers, b, kv_heads,
-    max_len, d], in one layer or (`layer` None) in all. Row and slot indices are split by the heads'
-    slice, so what it selects is ordered [b, t, (layers,) kv_heads, d] (NumPy's rule for separated
-    advanced indices)."""
+    max_len, d] (or of the given `slots` [b, t]), in one layer or (`layer` None) in all. Row and slot
+    indices are split by the heads' slice, so what it selects is ordered [b, t, (layers,) kv_heads, d]
+    (NumPy's rule for separated advanced indices)."""
     rows = jnp.arange(start.shape[0])[:, None]  # [b, 1]
-    slots = start[:, None] + jnp.arange(t)[None]  # [b, t]
+    if slots is None:
+        slots = start[:, None] + jnp.arange(t)[None]  # [b, t]
     return (slice(None), rows, slice(None), slots) if layer is None else (layer, rows, slice(None), slots)
 
 
