@@ -42,7 +42,7 @@ def compact_cache(cache: KVCache, start: jax.Array, path: jax.Array, active: jax
     if path.shape[1] == 1:
         return cache
     # every layer at once: [layers, b, kv_heads, max_len, d]
-    src = slot_index(None, start, path.shape[1], slots=start[:, None] + path)  # the accepted nodes' slots
+    src = slot_index(None, start[:, None] + path)  # the accepted nodes' slots [b, L]
 
     def move_all(buf):
         return write_slots(buf, None, buf[src], start, active)  # [b, L, layers, kv_heads, d] moved

@@ -65,8 +65,8 @@ def empty(q: jax.Array, kv_heads: int) -> Partial:
 
 def update(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array | None) -> Partial:
     """Fold keys k, v [b, kv_heads, s, d] (the cache's order: each head's slots contiguous) into
-    `part`; visible: [b or 1, t or 1, s] bool, or None
-    when every query sees every key (no masking work at all).
+    `part`; visible: [b or 1, t or 1, s] bool, or None when every query sees every key (no masking
+    work at all).
 
     qg: [b, t, kv_heads, groups, d] grouped queries."""
     d = qg.shape[-1]

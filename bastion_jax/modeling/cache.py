@@ -90,14 +90,11 @@ def write_layer_rows(buf: jax.Array, layer: int | jax.Array | None, new: jax.Arr
     return write_slots(buf, layer, new, start, active)
 
 
-def slot_index(layer: int | jax.Array | None, start: jax.Array, t: int, slots: jax.Array | None = None) -> tuple:
-    """The index of slots start[b] + j (j < t) of every row of a stacked buffer [layers, b, kv_heads,
-    max_len, d] (or of the given `slots` [b, t]), in one layer or (`layer` None) in all. Row and slot
-    indices are split by the heads' slice, so what it selects is ordered [b, t, (layers,) kv_heads, d]
-    (NumPy's rule for separated advanced indices)."""
-    rows = jnp.arange(start.shape[0])[:, None]  # [b, 1]
-    if slots is None:
-        slots = start[:, None] + jnp.arange(t)[None]  # [b, t]
+def slot_index(layer: int | jax.Array | None, slots: jax.Array) -> tuple:
+    """The index of slots[b, j] of every row b of a stacked buffer [layers, b, kv_heads, max_len, d],
+    in one layer or (`layer` None) in all. Row and slot indices are split by the heads' slice, so what
+    it selects is ordered [b, t, (layers,) kv_heads, d] (NumPy's rule for separated advanced indices)."""
+    rows = jnp.arange(slots.shape[0])[:, None]  # [b, 1]
     return (slice(None), rows, slice(None), slots) if layer is None else (layer, rows, slice(None), slots)
 
 
@@ -106,7 +103,7 @@ def write_slots(buf: jax.Array, layer: int | jax.Array | None, new: jax.Array, s
     """Write `new`, ordered as `slot_index` selects ([b, t, (layers,) kv_heads, d]), at slots
     start[b] + j of layer `layer` (or of every layer) of a stacked buffer; rows with active[b] False
     keep what they had."""
-    at = slot_index(layer, start, new.shape[1])
+    at = slot_index(layer, start[:, None] + jnp.arange(new.shape[1])[None])  # slots [b, t]
     new = new.astype(buf.dtype)
     if active is not None:  # finished rows keep what they had
         new = jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, buf[at])
