@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 NEG_INF = jnp.finfo(jnp.float32).min
 PREFIX_CHUNK = 256  # cache slots per trip of the prefix loop (off CPU; see `prefix_chunk_default`)
-CPU_PREFIX_CHUNK = 128  # the same on CPU
+CPU_PREFIX_CHUNK = 128  # the same on CPU, for steps of one query per row (AR)
+CPU_TREE_PREFIX_CHUNK = 64  # the same on CPU, for steps of several queries per row (trees, drafts)
 NEW_CHUNK = 512  # new keys per trip once a step has more than this many (long prefills)
 PREFILL_TILE = 256  # queries and keys per tile of a causal prefill (`causal`)
 
@@ -116,24 +117,27 @@ def _slots(k: jax.Array, v: jax.Array) -> Callable[[jax.Array, int], tuple[jax.A
     return read
 
 
-def prefix_chunk_default() -> int:
-    """Cache slots per trip of the prefix loop: `CPU_PREFIX_CHUNK` on CPU, `PREFIX_CHUNK` elsewhere
-    ($BASTION_PREFIX_CHUNK, read when a step is traced, overrides both; for measuring).
+def prefix_chunk_default(queries: int = 1) -> int:
+    """Cache slots per trip of the prefix loop for steps of `queries` queries per row: on CPU
+    `CPU_PREFIX_CHUNK` for one (AR) and `CPU_TREE_PREFIX_CHUNK` for more, `PREFIX_CHUNK` elsewhere
+    ($BASTION_PREFIX_CHUNK, read when a step is traced, overrides all; for measuring).
 
     On CPU the last trip computes every slot of its chunk, live or not, and narrower trips cost
-    little more each: 30 SmolLM2 layers of a 16-query tree step's prefix took 7.5 ms at context 30
+    little more each. 30 SmolLM2 layers of a 16-query tree step's prefix took 7.5 ms at context 30
     with 256-slot trips, 4.1 with 128 and 2.2 with 64, and about the same at context 700 (21.0,
-    20.4, 20.7 ms). One query (AR) gained 2.4 -> 1.2 ms at context 30 from 128-slot trips and kept
-    256's speed at long contexts, where 64-slot ones lost (8.2 against 6.1 ms at 700): 128 is the
-    compromise (`benchmarks/prefix_trips.py`; whole steps at these sizes moved by less than the
-    machine's drift). Off CPU the prefix kernel reads the prefix where it can, and the loop keeps
-    fewer, wider trips (a launch per op per trip)."""
+    20.4, 20.7 ms); 4 queries 3.7 / 1.7 / 1.1 ms at context 30, and 64 at most ties 128 beyond.
+    One query (AR) gained 2.4 -> 1.2 ms at context 30 from 128-slot trips and kept 256's speed at
+    long contexts, where 64-slot ones lost (8.2 against 6.1 ms at 700): a trip costs a query more
+    than the slots it skips save (`benchmarks/prefix_trips.py`). Off CPU the prefix kernel reads the
+    prefix where it can, and the loop keeps fewer, wider trips (a launch per op per trip)."""
     env = os.environ.get("BASTION_PREFIX_CHUNK")
     if env:  # (read at trace time: a process's steps already traced keep the trips they had)
         if not env.isdigit() or int(env) < 1:
             raise ValueError(f"BASTION_PREFIX_CHUNK must be a positive number of slots, not {env!r}")
         return int(env)
-    return CPU_PREFIX_CHUNK if jax.default_backend() == "cpu" else PREFIX_CHUNK
+    if jax.default_backend() != "cpu":
+        return PREFIX_CHUNK
+    return CPU_PREFIX_CHUNK if queries <= 1 else CPU_TREE_PREFIX_CHUNK
 
 
 def prefix(part: Partial, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array,
@@ -145,7 +149,7 @@ def prefix(part: Partial, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     def visible(slots, first):
         return ((slots >= first)[None] & (slots[None] < length[:, None]))[:, None, :]  # [b, 1, chunk]
 
-    chunk = chunk or prefix_chunk_default()
+    chunk = chunk or prefix_chunk_default(qg.shape[1])
 
     if layer is None:
         size, read = k_cache.shape[2], _slots(k_cache, v_cache)
