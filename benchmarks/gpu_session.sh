@@ -17,22 +17,26 @@
 # (2026-11-27, `benchmarks/results/h100-2026-11-27-lease.md`) brought the first 8B-shaped ratios
 # (verify_probe: verify(256)/AR 1.36, verify(64)/AR 1.11-1.17) and found the scanned AR step at 0.30
 # of its HBM floor because XLA copies every layer's weights out of the stack; layers are unrolled by
-# default since. tree_prefill at 8B shapes has still never been compiled on a GPU. So, after running
-# `training_data/smollm2-135m-instruct/device_pieces.sh` here (three pieces), back to back:
-#   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && bash benchmarks/gpu_session.sh verify`
-#      (timeout ~420 s): AR vs HBM floor and verify(b)/AR with unrolled layers (the default; never
-#      timed on a GPU: its compile seconds are in the output), then scanned layers with XLA's
-#      dynamic-slice fusion switched on (does it read the stack in place?), 150 s at most;
-#   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash && timeout 330 bash benchmarks/gpu_session.sh
-#      perf` (timeout ~360 s): the whole profile, tree steps and the real bastion loop included. XLA:GPU's
-#      compile time follows the kernel count, and unrolled layers multiply it: if call 1's unrolled
-#      compiles took minutes, or the scanned run with the fusion was as fast, run it with LAYOUT=scanned;
-#   3. carry the last piece: `bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS`, SECONDS
-#      about 60 under the lease's budget_left_s (status) with DATA_S=0 (the batch-128 data job has
-#      never finished a batch inside a lease); the fourth lease's 174 s of training gave drafter v12.
-#      Its validation now walks 32 held-out rows as greedy decoding does and picks best/ by that tau
-#      (`walk_tau` in ret/*-best.json): v12 reads 1.834 on the same rows (c9's last 128, first 32
-#      walked; its teacher-forced figure there is 2.94). Ship a run's best/ only above that.
+# default since. tree_prefill at 8B shapes has still never been compiled on a GPU.
+#
+# Order (2026-11-28): most of the lease to the drafter. A lease is 900 s, a start ~35-60 s of it, and verify + perf +
+# drafter as once planned (420 + 360 + the rest) left the drafter nothing, while acceptance is what the
+# project's speed rests on (issue 13 asks for its training first; 174 s of it gave drafter v12, and its
+# held-out tau was still rising). So, after running `training_data/smollm2-135m-instruct/device_pieces.sh`
+# here (three pieces), back to back:
+#   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && timeout 200 bash benchmarks/gpu_session.sh
+#      verify` (timeout_s ~230): AR vs HBM floor and verify(b)/AR with unrolled layers (the default; never
+#      timed on a GPU: if building the random 8B weights eats the 200 s, that is the finding), with the
+#      [layers, b, kv_heads, slots, d] cache the Pallas kernel now reads (earlier leases had slot-major);
+#   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash` (seconds);
+#   3. carry the last piece: `bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS` with DATA_S=0
+#      (the batch-128 data job has never finished a batch inside a lease), SECONDS = min(560, status's
+#      budget_left_s - 40), timeout_s = SECONDS + 20. Its validation walks 32 held-out rows as greedy
+#      decoding does and picks best/ by that tau (`walk_tau` in ret/*-best.json): v12 reads 1.834 on
+#      the same rows (c9's last 128, first 32 walked; its teacher-forced figure there is 2.94). Ship a
+#      run's best/ only above that;
+#   4. whatever is left while the machine is warm (>= 4 min): `perf` (the whole profile at 8B shapes,
+#      tree steps and the real bastion loop included), else leave it to the next lease.
 #
 # Nothing is installed: the machine's image has JAX (CUDA), Flax, Optax, Orbax, safetensors and
 # tokenizers, and random-weight runs need nothing else (gguf is imported only to read a GGUF). The
