@@ -215,3 +215,23 @@ def test_causal_prefill_skips_the_padding_tiles():
         want = attend(jnp.asarray(q[row:row + 1, :n]), jnp.asarray(k[row:row + 1, :n]),
                       jnp.asarray(v[row:row + 1, :n]), causal_mask(1, n))
         np.testing.assert_allclose(got[row, :n], np.asarray(want)[0], rtol=2e-5, atol=2e-5)
+
+
+def test_prefix_trips_follow_the_step_shape(monkeypatch):
+    """The prefix loop's trip size: one query per row (AR) and several (trees, drafts) take their own
+    on CPU (`prefix_chunk_default`); $BASTION_PREFIX_CHUNK overrides both and is validated."""
+    from bastion_jax.modeling import attention
+
+    monkeypatch.delenv("BASTION_PREFIX_CHUNK", raising=False)
+    if jax.default_backend() == "cpu":
+        assert attention.prefix_chunk_default(1) == attention.CPU_PREFIX_CHUNK
+        assert attention.prefix_chunk_default(16) == attention.CPU_TREE_PREFIX_CHUNK
+        assert attention.CPU_TREE_PREFIX_CHUNK < attention.CPU_PREFIX_CHUNK
+    else:
+        assert attention.prefix_chunk_default(1) == attention.prefix_chunk_default(16) == attention.PREFIX_CHUNK
+    monkeypatch.setenv("BASTION_PREFIX_CHUNK", "32")
+    assert attention.prefix_chunk_default(1) == attention.prefix_chunk_default(16) == 32
+    for bad in ("0", "-4", "many"):
+        monkeypatch.setenv("BASTION_PREFIX_CHUNK", bad)
+        with pytest.raises(ValueError, match="BASTION_PREFIX_CHUNK"):
+            attention.prefix_chunk_default(4)
