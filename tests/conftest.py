@@ -54,6 +54,21 @@ def vocab6_target(tmp_path_factory):
     return load_target(root, jnp.float32)
 
 
+@pytest.fixture(scope="session")
+def peaked_target(tmp_path_factory):
+    """The 6-token Qwen3 of `vocab6_target` with init scale 0.2 (HF's default is 0.02): next-token
+    entropies of about 1.1-1.5 nats instead of ~1.78 (uniform: ln 6 = 1.79), so that a sampling-law
+    test can tell a wrong temperature or a uniform draw from the target's law."""
+    import jax.numpy as jnp
+
+    from bastion_jax.checkpoints import load_target
+    from bastion_jax.testing import save_tiny_hf
+
+    root = tmp_path_factory.mktemp("peaked6")
+    save_tiny_hf("qwen3", root, vocab_size=6, seed=5, initializer_range=0.2)
+    return load_target(root, jnp.float32)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_executables():
     """Free each module's compiled executables when it ends.

@@ -4,7 +4,8 @@ The law is enumerated on a tiny-vocabulary target (6 tokens: 216 cells for three
 sampling filters restated in NumPy (`testing.filtered_probs`: temperature, then top-k, then top-p);
 one batched `generate` call per case draws the tokens through dflash chains, fixed-size trees and
 the bastion controller. The target is built with a large init scale so its distributions are
-peaked: on a near-uniform target a 2x temperature error barely moves a chi-square.
+peaked (conftest's `peaked_target`): on a near-uniform target a 2x temperature error barely moves a
+chi-square.
 
 Wrong samplers this test was seen to reject (each put into the library by hand, the file run,
 then removed; "all 9" = every mode x sampling case failed, chi-square far above its limit):
@@ -50,18 +51,6 @@ SAMPLINGS = {
     "T1-topk3": SamplingConfig(1.0, top_k=3),
     "T1.2-topp0.85": SamplingConfig(1.2, top_p=0.85),
 }
-
-
-@pytest.fixture(scope="module")
-def peaked_target(tmp_path_factory):
-    """A tiny Qwen3 over 6 tokens with init scale 0.2 (HF's default is 0.02): next-token entropies of
-    about 1.1-1.5 nats instead of ~1.78 (uniform: ln 6 = 1.79)."""
-    from bastion_jax.checkpoints import load_target
-    from bastion_jax.testing import save_tiny_hf
-
-    root = tmp_path_factory.mktemp("peaked6")
-    save_tiny_hf("qwen3", root, vocab_size=V, seed=5, initializer_range=0.2)
-    return load_target(root, jnp.float32)
 
 
 @pytest.fixture(scope="module")
