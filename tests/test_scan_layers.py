@@ -155,7 +155,9 @@ def test_weights_in_out_checkpoints_stay_hf_layout(hf_and_io, tmp_path, scan):
     save_target(tmp_path / "ckpt", io.config, nnx.to_pure_dict(io.state))
     for layout, like in ((False, hf), (True, load_target(hf.path, jnp.float32, scan_layers=False, weights_in_out=True))):
         back = load_target(tmp_path / "ckpt", scan_layers=False, weights_in_out=layout)
-        for x, y in zip(jax.tree.leaves(back.state), jax.tree.leaves(like.state)):
+        got, want = jax.tree.leaves(back.state), jax.tree.leaves(like.state)
+        assert len(got) == len(want)  # no tensor lost on the way
+        for x, y in zip(got, want):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 

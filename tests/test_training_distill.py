@@ -90,8 +90,11 @@ def test_trainer_with_distill_runs_on_the_final_hidden_state(target, tmp_path):
     model = nnx.merge(target.graphdef, target.state)
     final = target_features(model, jnp.asarray(data.tokens[:2]), (target.config.num_hidden_layers - 1,), target.dtype)
     np.testing.assert_allclose(got[..., -h:], np.asarray(final), rtol=1e-5, atol=1e-5)
+    before = [np.array(x) for x in jax.tree.leaves(drafter.state)]
     trained = trainer.fit(data, progress=False)
-    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(trained.state))
+    after = [np.asarray(x) for x in jax.tree.leaves(trained.state)]
+    assert len(after) == len(before) and all(np.isfinite(x).all() for x in after)
+    assert any(not np.array_equal(a, b) for a, b in zip(after, before))  # the two steps trained something
     with pytest.raises(ValueError, match="distill"):
         TrainConfig(steps=1, distill=1.5)
     assert lm_head_weight(target).shape[1] == h
