@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "a tiny randomly initialised drafter that fits the target (for trying the pipeline); 'none' "
                    "decodes without one. Default: the shipped SmolLM2 drafter with the default target, else none")
     p.add_argument("--mode", help="decoding policy: ar (plain autoregressive), dflash (the drafter's top-1 chain), "
-                   "fixed:N (always verify an N-node tree; N must be a bucket) or bastion (the controller picks the "
+                   "fixed:N (always verify an N-node tree; N must be a bucket), bastion (the controller picks the "
                    "tree size maximising estimated tokens/s; a plain AR step where drafting does not pay) or bastion-paper (the "
                    "official BASTION size rule, for comparison). Default: bastion with a drafter, else ar")
     p.add_argument("--buckets", help="comma-separated tree sizes (root included) compiled at warm-up "
