@@ -119,7 +119,7 @@ def test_prefix_loop_stops_at_the_live_context():
 
 
 @pytest.mark.parametrize("scan", [False, True])  # per-layer caches, unrolled layers | a stacked cache, scanned
-@pytest.mark.parametrize("slots", [56, 328])  # below one prefix chunk (one read; CPU's are 128) and over it (the loop)
+@pytest.mark.parametrize("slots", [56, 328])  # below one prefix trip (one read; CPU's are 64-128) and over it (the loop)
 def test_compiled_steps_never_copy_a_cache_buffer(slots, scan):
     """Per step, only the new slots of a (donated) cache are written: no whole-buffer copy of any layer's
     K/V in the compiled AR, tree (incl. a root-only tree) and root steps. Regressions here cost a full
@@ -143,6 +143,10 @@ def test_compiled_steps_never_copy_a_cache_buffer(slots, scan):
     compiled = {"decode": decode, **{f"tree_step({b})": s.exe for b, s in steps.items()},
                 **{f"root_step({t})": r.exe for t, r in roots.items()}}
     copy = re.compile(r"= \w+\[(\d+,)?1,\d+,%d,\d+\]\{[^}]*\} copy\(" % slots)  # ([layers,] 1, kv, slots, d)
+    # The pattern finds a real copy: a donated cache updated in place while its old value is returned too.
+    cache = jax.ShapeDtypeStruct((2, 1, 3, slots, 64), jnp.float32)
+    keep_old = jax.jit(lambda c: (c.at[0, 0, 0, 0, 0].set(1.0), c), donate_argnums=0)
+    assert copy.search(keep_old.lower(cache).compile().as_text())
     for name, exe_ in compiled.items():
         copies = [line.strip() for line in exe_.as_text().splitlines() if copy.search(line)]
         assert not copies, (name, copies[:2])
