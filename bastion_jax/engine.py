@@ -350,7 +350,7 @@ class Engine:
             tree_ahead = bool((rows.done | (rows.produced + (self.block_size or 0) < rows.budget)).all())
             # One device->host read per step (`tree_loop.read` of everything the host needs at once).
             if policy.kind == "ar":
-                # (lengths go in as NumPy: the executable's own transfer, ~25 us of host time; device_put ~150)
+                # (lengths go in as NumPy: the executable's own transfer, ~25 us of CPU host time; device_put ~150)
                 if queued is None:
                     queued, tcache = step(exe.target_params, tcache, cur, lengths, next_params(), active_dev)
                 cur = queued

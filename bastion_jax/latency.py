@@ -35,10 +35,11 @@ DEVICE_PEAKS = {
 
 # Bump when the compiled steps' costs change (attention, fusion, compaction...): a calibration
 # measured on older steps would misprice the new ones, so it is part of the calibration key.
-STEPS_VERSION = 7  # 2: attention over the live context only (issue 14); 3: two-pass greedy argmax;
+STEPS_VERSION = 8  # 2: attention over the live context only (issue 14); 3: two-pass greedy argmax;
 # 4: trees read the top min(top_k, nodes - 1) tokens per depth; 5: bf16 on CPU on XLA:CPU's bf16 kernels;
 # 6: a draft projects only the new context rows it needs (4, 8, 16 or 32); 7: tree steps that hold
-# (bastion verifying a lookup chain) calibrated as variants of their own (`held`)
+# (bastion verifying a lookup chain) calibrated as variants of their own (`held`); 8: the K/V cache as
+# [layers, b, kv_heads, slots, d] and CPU prefix trips by step shape (128 slots for AR, 64 for trees and drafts)
 
 
 @dataclasses.dataclass(frozen=True)

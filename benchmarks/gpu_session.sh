@@ -28,15 +28,18 @@
 #      verify` (timeout_s ~230): AR vs HBM floor and verify(b)/AR with unrolled layers (the default; never
 #      timed on a GPU: if building the random 8B weights eats the 200 s, that is the finding), with the
 #      [layers, b, kv_heads, slots, d] cache the Pallas kernel now reads (earlier leases had slot-major);
+#      the 200 s cover the step's scanned part too, which will rarely get to run;
 #   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash` (seconds);
 #   3. carry the last piece: `bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS` with DATA_S=0
 #      (the batch-128 data job has never finished a batch inside a lease), SECONDS = min(560, status's
 #      budget_left_s - 40), timeout_s = SECONDS + 20. Its validation walks 32 held-out rows as greedy
 #      decoding does and picks best/ by that tau (`walk_tau` in ret/*-best.json): v12 reads 1.834 on
 #      the same rows (c9's last 128, first 32 walked; its teacher-forced figure there is 2.94). Ship a
-#      run's best/ only above that;
-#   4. whatever is left while the machine is warm (>= 4 min): `perf` (the whole profile at 8B shapes,
-#      tree steps and the real bastion loop included), else leave it to the next lease.
+#      run's best/ only above that. The arithmetic: 900 - start (35-60) - step 1 (~230) - step 2 (~10) leaves ~600-625 s, and step 3
+#      takes all but the ~20-40 s its output needs to come back. Keep the calls back to back: a gap over
+#      30 s releases the machine, and the stashed pieces go with it;
+#   4. `perf` (the whole profile at 8B shapes, tree steps and the real bastion loop included, ~330-360 s)
+#      does not fit beside the drafter: it is the next lease's, or this one's if the drafter job cannot run.
 #
 # Nothing is installed: the machine's image has JAX (CUDA), Flax, Optax, Orbax, safetensors and
 # tokenizers, and random-weight runs need nothing else (gguf is imported only to read a GGUF). The

@@ -239,3 +239,14 @@ def test_prefix_trips_follow_the_step_shape(monkeypatch):
         monkeypatch.setenv("BASTION_PREFIX_CHUNK", bad)
         with pytest.raises(ValueError, match="BASTION_PREFIX_CHUNK"):
             attention.prefix_chunk_default(4)
+    # attend_split asks for the trips of its own step's queries per row (batch and groups elsewhere)
+    monkeypatch.delenv("BASTION_PREFIX_CHUNK")
+    asked, real = [], attention.prefix_chunk_default
+    monkeypatch.setattr(attention, "prefix_chunk_default", lambda queries: asked.append(queries) or real(queries))
+    rng = np.random.default_rng(0)
+    k_cache, v_cache = (jnp.asarray(rng.normal(size=(2, 1, 40, 4)), jnp.float32) for _ in range(2))
+    for t in (1, 4):
+        q = jnp.asarray(rng.normal(size=(2, t, 2, 4)), jnp.float32)
+        k = v = jnp.asarray(rng.normal(size=(2, t, 1, 4)), jnp.float32)
+        attend_split(q, k_cache, v_cache, jnp.asarray([7, 30], jnp.int32), k, v, causal_mask(2, t))
+    assert asked == [1, 4]

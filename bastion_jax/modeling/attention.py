@@ -117,7 +117,7 @@ def _slots(k: jax.Array, v: jax.Array) -> Callable[[jax.Array, int], tuple[jax.A
     return read
 
 
-def prefix_chunk_default(queries: int = 1) -> int:
+def prefix_chunk_default(queries: int) -> int:
     """Cache slots per trip of the prefix loop for steps of `queries` queries per row: on CPU
     `CPU_PREFIX_CHUNK` for one (AR) and `CPU_TREE_PREFIX_CHUNK` for more, `PREFIX_CHUNK` elsewhere
     ($BASTION_PREFIX_CHUNK, read when a step is traced, overrides all; for measuring).
