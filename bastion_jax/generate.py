@@ -32,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "decodes without one. Default: the shipped SmolLM2 drafter with the default target, else none")
     p.add_argument("--mode", help="decoding policy: ar (plain autoregressive), dflash (the drafter's top-1 chain), "
                    "fixed:N (always verify an N-node tree; N must be a bucket), bastion (the controller picks the "
-                   "tree size maximising estimated tokens/s; a plain AR step where drafting does not pay) or bastion-paper (the "
-                   "official BASTION size rule, for comparison). Default: bastion with a drafter, else ar")
+                   "tree size maximising estimated tokens/s; a plain AR step where drafting does not pay) or "
+                   "bastion-paper (the official BASTION size rule, for comparison). Default: bastion with a drafter, "
+                   "else ar")
     p.add_argument("--buckets", help="comma-separated tree sizes (root included) compiled at warm-up "
                    "(default 1,4,8,16,32,64; fixed:N adds N)")
     p.add_argument("--draft-vocab", default="auto", help="drafter LM head restricted to the N most frequent "
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (auto: the checkpoint's own dtype; quantised GGUF tensors are "
                         "dequantised to float32). The drafter computes in the target's dtype")
     p.add_argument("--max-len", type=int, help="KV cache length in tokens (default: prompt + max new tokens + the "
-                   "tree's slack, rounded up to a size class: 256, 384, 512, 768, ...); too small for them is an error, never a shorter answer")
+                   "tree's slack, rounded up to a size class: 256, 384, 512, 768, ...); too small for them is an "
+                   "error, never a shorter answer")
     p.add_argument("--quiet", action="store_true", help="print only the generated text (no progress or summary)")
     return p
 

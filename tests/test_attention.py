@@ -119,7 +119,7 @@ def test_prefix_loop_stops_at_the_live_context():
 
 
 @pytest.mark.parametrize("scan", [False, True])  # per-layer caches, unrolled layers | a stacked cache, scanned
-@pytest.mark.parametrize("slots", [56, 328])  # below one prefix trip (one read; CPU's are 64-128) and over it (the loop)
+@pytest.mark.parametrize("slots", [56, 328])  # under one prefix trip (one read; CPU: 64-128) and over (the loop)
 def test_compiled_steps_never_copy_a_cache_buffer(slots, scan):
     """Per step, only the new slots of a (donated) cache are written: no whole-buffer copy of any layer's
     K/V in the compiled AR, tree (incl. a root-only tree) and root steps. Regressions here cost a full

@@ -127,8 +127,8 @@ def prefix_chunk_default(queries: int) -> int:
     with 256-slot trips, 4.1 with 128 and 2.2 with 64, and about the same at context 700 (21.0,
     20.4, 20.7 ms); 4 queries 3.7 / 1.7 / 1.1 ms at context 30, and 64 at most ties 128 beyond.
     One query (AR) gained 2.4 -> 1.2 ms at context 30 from 128-slot trips and kept 256's speed at
-    long contexts, where 64-slot ones lost (8.2 against 6.1 ms at 700): a trip costs a query more
-    than the slots it skips save (`benchmarks/prefix_trips.py`). Off CPU the prefix kernel reads the
+    long contexts, where 64-slot ones lost (8.2 against 6.1 ms at 700): for one query a trip's fixed
+    cost outweighs the slots a narrower trip skips (`benchmarks/prefix_trips.py`). Off CPU the prefix kernel reads the
     prefix where it can, and the loop keeps fewer, wider trips (a launch per op per trip)."""
     env = os.environ.get("BASTION_PREFIX_CHUNK")
     if env:  # (read at trace time: a process's steps already traced keep the trips they had)
