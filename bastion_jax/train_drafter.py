@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", nargs="+", required=True, help="JSONL file(s) written by the data command")
     t.add_argument("--out", required=True, help="work dir: checkpoints/, metrics.jsonl, drafter/ (the final export), best/ (the export of the best validation step, best.json its figures)")
     t.add_argument("--init", help="start from this drafter checkpoint instead of a random one (and keep the token "
-                   "ranking stored beside it, so the loss vocabulary stays the one it was trained on)")
+                   "ranking stored beside it, so the loss vocabulary stays the one it was trained on); a fresh run "
+                   "validates it first, as step 0, so best/ holds a trained step only where one beats it")
     t.add_argument("--layers", type=_positive_int, help="drafter layers (default 2; with --init: the init's own, and a larger "
                    "N grows it: copies of its last layer whose output projections start at zero, so the deeper "
                    "drafter starts out drafting exactly as the init)")
@@ -279,10 +280,13 @@ def run_train(args, target, log) -> None:
     trainer = Trainer(target, drafter, cfg, out, log=log, ranking=ranking,
                       reuse_features=tuple(Path(p) for p in args.reuse_features),
                       on_best=lambda state, ev: record(state, out / "best", validation=ev))
-    trained = trainer.fit(train, val if len(val) else None, progress=not args.quiet, max_seconds=args.max_seconds)
+    trained = trainer.fit(train, val if len(val) else None, progress=not args.quiet, max_seconds=args.max_seconds,
+                          validate_start=bool(args.init))
     export = record(trained.state, out / "drafter", best_validation=trainer.best())
+    best = trainer.best() or {}
+    what = "step 0: no trained step beat the --init drafter" if best.get("step") == 0 else f"step {best.get('step')}"
     log(f"exported {export} ({sum(f.stat().st_size for f in export.iterdir()) / 1e6:.1f} MB)"
-        + (f"; the best validation step ({trainer.best()['step']}) is in {out / 'best'}" if trainer.best() else ""))
+        + (f"; the best validation ({what}) is in {out / 'best'}" if best else ""))
 
 
 def run_eval(args, target, log) -> None:

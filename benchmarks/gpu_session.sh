@@ -34,8 +34,9 @@
 #      (the batch-128 data job has never finished a batch inside a lease), SECONDS = min(560, status's
 #      budget_left_s - 40), timeout_s = SECONDS + 20. Its validation walks 32 held-out rows as greedy
 #      decoding does and picks best/ by that tau (`walk_tau` in ret/*-best.json): v12 reads 1.834 on
-#      the same rows (c9's last 128, first 32 walked; its teacher-forced figure there is 2.94). Ship a
-#      run's best/ only above that. The arithmetic: 900 - start (35-60) - step 1 (~230) - step 2 (~10) leaves ~600-625 s, and step 3
+#      the same rows (c9's last 128, first 32 walked; its teacher-forced figure there is 2.94), and
+#      the run validates its --init first as step 0, so ret/*-best.json at step 0 means nothing beat
+#      it. Ship a run's best/ only above that. The arithmetic: 900 - start (35-60) - step 1 (~230) - step 2 (~10) leaves ~600-625 s, and step 3
 #      takes all but the ~20-40 s its output needs to come back. Keep the calls back to back: a gap over
 #      30 s releases the machine, and the stashed pieces go with it;
 #   4. `perf` (the whole profile at 8B shapes, tree steps and the real bastion loop included, ~330-360 s)

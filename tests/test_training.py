@@ -192,6 +192,27 @@ def test_toy_training_learns_resumes_and_exports(pair, toy_data, tmp_path, monke
     assert trainer.walk_tau(trained.state, val, trainer.feature_store(val, "val")) == pytest.approx(committed / steps)
 
 
+def test_a_continued_drafter_is_the_record_to_beat(pair, toy_data, tmp_path):
+    """`validate_start` validates the starting weights as step 0: a run that cannot improve on them
+    (learning rate 0) keeps step 0 as its best, and one that learns replaces it."""
+    target, drafter = pair
+    train, val = TokenDataset(toy_data, seq_len=32, vocab_size=target.config.vocab_size).split(4)
+    cfg = TrainConfig(steps=20, batch_size=4, seq_len=32, num_anchors=8, lr=0.0, weight_decay=0.0, log_every=10,
+                      save_every=20, eval_every=10)
+    for lr, name in ((0.0, "frozen"), (1e-2, "learning")):
+        bests = []
+        Trainer(target, drafter, dataclasses_replace(cfg, lr=lr), tmp_path / name, log=lambda m: None,
+                on_best=lambda params, ev: bests.append(ev["step"])).fit(train, val, progress=False, validate_start=True)
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        val_rows = [r for r in rows if r["split"] == "val"]
+        assert [r["step"] for r in val_rows] == [0, 10, 20]
+        best = json.loads((tmp_path / name / "best.json").read_text())
+        if lr == 0.0:
+            assert bests == [0] and best["step"] == 0 and val_rows[2]["walk_tau"] == val_rows[0]["walk_tau"]
+        else:
+            assert bests[0] == 0 and best["step"] > 0 and best["walk_tau"] > val_rows[0]["walk_tau"]
+
+
 def test_learning_rate_follows_the_dflash_schedule():
     """The injected rate equals optax's warm-up + cosine schedule (to 10%) at every step, and a
     wall-time progress past the step count moves it on."""
@@ -323,6 +344,12 @@ def test_cli_data_then_train(tmp_path, capsys):
     best = json.loads((tmp_path / "run" / "best" / "training.json").read_text())["validation"]
     assert best == json.loads((tmp_path / "run" / "best.json").read_text()) and best["step"] == 3
     assert load_drafter(tmp_path / "run" / "best", target.config).config.block_size == 4
+    # --init continues a drafter: validated first (step 0), the record its trained steps must beat.
+    assert main(["train", *common, "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run4"),
+                 "--init", str(tmp_path / "run" / "drafter"), "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+                 "--anchors", "4", "--held-out", "2", "--eval-every", "2", "--export-dtype", "float32"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run4" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "val"] == [0, 2]
 
     # eval: tau per mode and prompt set, AR identity checked, the report written.
     chat = tmp_path / "chat.jsonl"

@@ -251,8 +251,18 @@ class Trainer:
         (self.workdir / "best.json").write_text(json.dumps(ev, indent=2))
         self.log(f"step {ev['step']}: best validation so far")
 
+    def _validate(self, params, val: TokenDataset, store, step: int, what: str = "") -> None:
+        """Validate `params` as step `step`: a "val" row in metrics.jsonl, a log line, the best record."""
+        ev = dict(self.evaluate(params, val, store=store), step=step)
+        with open(self.workdir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"split": "val", **ev}) + "\n")
+        self.log(f"step {step}{f' ({what})' if what else ''}: val loss {ev['loss']:.3f} | first-token acc "
+                 f"{ev['acc_first']:.3f} | teacher-forced tau {ev['accept_len']:.2f}"
+                 + (f" | decoding-walk tau {ev['walk_tau']:.3f}" if "walk_tau" in ev else ""))
+        self._note_validation(params, ev)
+
     def fit(self, train: TokenDataset, val: TokenDataset | None = None, progress: bool = True,
-            max_seconds: float | None = None) -> LoadedDrafter:
+            max_seconds: float | None = None, validate_start: bool = False) -> LoadedDrafter:
         """Run to `cfg.steps` (resuming if checkpoints exist); returns the trained drafter (fp32).
 
         `max_seconds` (wall time of this call) ends the run early at a step boundary, validated,
@@ -263,7 +273,11 @@ class Trainer:
 
         Throughput is logged as drafter positions per second: block positions carrying a loss per
         wall second of training steps (batch assembly, feature lookup or computation, the step),
-        leaving out each process's first step (compilation), evaluation and checkpointing."""
+        leaving out each process's first step (compilation), evaluation and checkpointing.
+
+        `validate_start` (a run that continues a trained drafter): a fresh run validates the starting
+        weights before its first step, as step 0, so they are the record to beat: `best.json` /
+        `on_best` then name a trained step only where one validates better than where it began."""
         from tqdm import tqdm
 
         self.prepare(train)
@@ -277,6 +291,8 @@ class Trainer:
                      f"({store.reused} copied from earlier runs on creation)")
         key = jax.random.key(self.cfg.seed)
         indices = batch_indices(len(train), self.cfg.batch_size, self.cfg.seed, start_step=step)
+        if validate_start and val is not None and step == 0:
+            self._validate(params, val, val_store, 0, "the starting weights")
         history: list[Metrics] = []
         log_path = self.workdir / "metrics.jsonl"
         busy, positions, first = 0.0, 0, True
@@ -323,13 +339,7 @@ class Trainer:
                     f.write(json.dumps({"split": "train", **avg}) + "\n")
             evaluating = val is not None and (last or (self.cfg.eval_every and step % self.cfg.eval_every == 0))
             if evaluating:
-                ev = dict(self.evaluate(params, val, store=val_store), step=step)
-                with open(log_path, "a") as f:
-                    f.write(json.dumps({"split": "val", **ev}) + "\n")
-                self.log(f"step {step}: val loss {ev['loss']:.3f} | first-token acc {ev['acc_first']:.3f} | "
-                         f"teacher-forced tau {ev['accept_len']:.2f}"
-                         + (f" | decoding-walk tau {ev['walk_tau']:.3f}" if "walk_tau" in ev else ""))
-                self._note_validation(params, ev)
+                self._validate(params, val, val_store, step)
             if step % self.cfg.save_every == 0 or last:
                 self._save(mngr, step, params, opt_state)
                 store.flush()
