@@ -111,6 +111,8 @@ class Engine:
             stop_ids = _stop_ids(tokenizer, target.config.eos_token_ids)
         self.stop_ids = frozenset(int(s) for s in stop_ids)
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
+        if top_k < 1:  # 0 would build trees of the lookup chain alone, a negative one fail inside top_k
+            raise GenerationError(f"tree top-k must be >= 1 (drafter candidates per block position), got {top_k}")
         self.top_k = top_k
         if isinstance(draft_vocab, (str, numbers.Integral)):  # a spec as the CLI's --draft-vocab takes it
             if drafter is not None and proposal is None:

@@ -77,6 +77,8 @@ def load_models(args, log):
 
     if args.block_size is not None and args.drafter != "random":
         raise ValueError("--block-size only applies to --drafter random (a loaded drafter has its own block size)")
+    if args.tree_top_k < 1:
+        raise ValueError(f"--tree-top-k must be >= 1 (drafter candidates per block position), got {args.tree_top_k}")
     t0 = time.perf_counter()
     path = args.target or default_target_dir(verbose=not args.quiet)
     target = load_target(path, resolve_dtype(args.dtype))

@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--reps must be >= 1, got {args.reps}")
     if args.batch < 1:
         p.error(f"--batch must be >= 1, got {args.batch}")
+    if args.tree_top_k < 1:
+        p.error(f"--tree-top-k must be >= 1, got {args.tree_top_k}")
     from bastion_jax.sampling import SamplingConfig
 
     try:

@@ -245,6 +245,25 @@ def test_generate_block_size_without_random_drafter(capsys, tmp_path):
     _one_error_line(err, "--block-size", "--drafter random")
 
 
+@pytest.mark.parametrize("k", ["0", "-1"])
+def test_generate_tree_top_k_below_one(capsys, tmp_path, k):
+    # Refused before anything is loaded: 0 used to build trees of the lookup chain alone, -1 to fail
+    # deep inside top_k after the models had loaded.
+    rc, out, err = _generate(capsys, "--target", str(tmp_path / "nope"), "--tree-top-k", k, "w1")
+    assert rc == 2 and out == ""
+    _one_error_line(err, "--tree-top-k must be >= 1", f"got {k}")
+
+
+def test_engine_refuses_tree_top_k_below_one(_tiny):
+    from bastion_jax.checkpoints import load_target
+    from bastion_jax.engine import Engine, GenerationError
+
+    target = load_target(_tiny["ours"])
+    with pytest.raises(GenerationError, match="tree top-k must be >= 1"):
+        Engine(target, stop_ids=[-1], block_size=4, top_k=0)
+    assert Engine(target, stop_ids=[-1], block_size=4, top_k=1).top_k == 1
+
+
 @pytest.mark.parametrize("argv, stdin", [([""], None), (["   \n\t"], None), (["ok", ""], None), ([], "")],
                          ids=["empty", "whitespace", "one-of-two-empty", "empty-stdin"])
 def test_generate_empty_prompt(capsys, monkeypatch, tmp_path, argv, stdin):
