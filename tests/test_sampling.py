@@ -127,8 +127,14 @@ def test_a_rows_cut_does_not_depend_on_its_batch():
 def test_invalid_sampling_config():
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(1.0, top_p=0.0)
-    with pytest.raises(ValueError, match="temperature"):
-        SamplingConfig(-1.0)
+    # NaN compares false with everything: it used to pass and decode 256 tokens of garbage.
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            SamplingConfig(bad)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(1.0, top_p=float("nan"))
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingConfig(1.0, top_k=-1)
 
 
 @pytest.mark.parametrize("cfg", [
