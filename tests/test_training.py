@@ -213,6 +213,34 @@ def test_a_continued_drafter_is_the_record_to_beat(pair, toy_data, tmp_path):
             assert bests[0] == 0 and best["step"] > 0 and best["walk_tau"] > val_rows[0]["walk_tau"]
 
 
+def test_validation_reads_the_same_rows_whatever_the_batch_size(pair, toy_data, tmp_path, monkeypatch):
+    """Teacher-forced validation covers every held-out row (up to VAL_ROWS) once, at any batch size:
+    it used to read 4 batches, i.e. 4 rows at batch 1 and 128 at batch 32."""
+    import bastion_jax.training.trainer as trainer_module
+
+    target, drafter = pair
+    train, val = TokenDataset(toy_data, seq_len=32, vocab_size=target.config.vocab_size).split(12)
+    assert len(val) == 12  # more than 4 batches of 2
+    seen = []
+    real = trainer_module.batch_indices
+
+    def spy(*args, **kwargs):
+        for idx in real(*args, **kwargs):
+            seen.append(idx.copy())
+            yield idx
+
+    monkeypatch.setattr(trainer_module, "batch_indices", spy)
+    for bs in (2, 4):
+        seen.clear()
+        cfg = TrainConfig(steps=1, batch_size=bs, seq_len=32, num_anchors=8, walk_rows=0)
+        ev = Trainer(target, drafter, cfg, tmp_path / str(bs), log=lambda m: None).evaluate(drafter.state, val)
+        assert sorted(np.concatenate(seen).tolist()) == list(range(12)) and "walk_tau" not in ev
+    seen.clear()
+    cfg = TrainConfig(steps=1, batch_size=2, seq_len=32, num_anchors=8, walk_rows=0)
+    Trainer(target, drafter, cfg, tmp_path / "cap", log=lambda m: None).evaluate(drafter.state, val, rows=6)
+    assert len(np.concatenate(seen)) == 6
+
+
 def test_learning_rate_follows_the_dflash_schedule():
     """The injected rate equals optax's warm-up + cosine schedule (to 10%) at every step, and a
     wall-time progress past the step count moves it on."""

@@ -69,6 +69,8 @@ def _loss(params, drafter_def, vocab: LossVocab, embed, features, tokens, loss_m
 
 
 _STATIC = ("drafter_def", "obj", "tx", "matmul_dtype")
+# Held-out rows the teacher-forced validation reads, whatever the batch size (`Trainer.evaluate`).
+VAL_ROWS = 128
 
 
 @partial(jax.jit, static_argnames=_STATIC, donate_argnames=("params", "opt_state"))
@@ -202,15 +204,20 @@ class Trainer:
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
                                                 meta=ocp.args.JsonSave(meta)), force=True)
 
-    def evaluate(self, params, data: TokenDataset, batches: int = 4, store: FeatureStore | None = None
+    def evaluate(self, params, data: TokenDataset, rows: int = VAL_ROWS, store: FeatureStore | None = None
                  ) -> dict[str, float]:
+        """Teacher-forced figures over `rows` held-out rows (all of them when fewer), in batches of the
+        training batch size, and the walk's tau. The row count does not follow the batch size, so runs
+        trained with different batches report figures over the same rows (4 batches of 8 read 32 rows
+        where 4 of 32 read 128; on the same held-out set drafter v12 read 2.90 over 128 rows and 4.55
+        over the 4 rows a batch-1 run took)."""
         if self.vocab is None:
             self.prepare(data)
         store = store or self.feature_store(data, "val")
         it = batch_indices(len(data), self.cfg.batch_size, seed=self.cfg.seed + 1)
         key = jax.random.key(self.cfg.seed + 1)
         ms = []
-        for i in range(min(batches, max(1, math.ceil(len(data) / self.cfg.batch_size)))):
+        for i in range(max(1, math.ceil(min(rows, len(data)) / self.cfg.batch_size))):
             idx = next(it)
             ms.append(eval_step(params, self.vocab, self.embed, store.get(idx), jnp.asarray(data.tokens[idx]),
                                 jnp.asarray(data.loss_mask[idx]), jax.random.fold_in(key, i), **self.static))
