@@ -135,8 +135,11 @@ train() {  # name args...: retried with other XLA settings / a bf16 target if it
       $PY -m bastion_jax.train_drafter train "$@" \
       --dtype "$dtype" --out "$W/$name-$variant" --max-seconds "$left" >> "$W/logs/train-$name.log" 2>&1
     echo "== $name: exit $?" >> "$W/logs/train-$name.log"
-    # a run that validated at least once has an export to bring back, even if the hard stop ended it
-    if [ -f "$W/$name-$variant/best/config.json" ] || [ -f "$W/$name-$variant/drafter/config.json" ]; then
+    # a run that validated a trained step has an export to bring back, even if the hard stop ended it
+    # (step 0 is the --init drafter, validated before any training: a variant that fails at its first
+    # training step has that row too, and must go on to the next variant)
+    if grep -qs '"split": "val".*"step": [1-9]' "$W/$name-$variant/metrics.jsonl" \
+       || [ -f "$W/$name-$variant/drafter/config.json" ]; then
       echo "$name-$variant" > "$W/$name.ok"
       break
     fi
