@@ -175,6 +175,9 @@ for r in v9a v9b; do
   src=$run/best
   [ -f "$src/config.json" ] || src=$run/drafter
   [ -f "$src/config.json" ] && cp -r "$src" "$W/ret/$r"
+  # the last step too (16 MB): the held-out walk that picks best/ is one kind of text (c9's greedy
+  # chat), and a CPU run (2026-12-01) walked 2% lower there while every evaluation set gained 1-2%
+  [ "$src" != "$run/drafter" ] && [ -f "$run/drafter/config.json" ] && cp -r "$run/drafter" "$W/ret/$r-final"
   for f in metrics.jsonl best.json; do [ -f "$run/$f" ] && cp "$run/$f" "$W/ret/$r-$f"; done
 done
 cp "$W"/logs/*.log "$W/ret/"
