@@ -33,10 +33,12 @@
 #   3. carry the last piece: `bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS` with DATA_S=0
 #      (the batch-128 data job has never finished a batch inside a lease), SECONDS = min(560, status's
 #      budget_left_s - 40), timeout_s = SECONDS + 20. Its validation walks 32 held-out rows as greedy
-#      decoding does and picks best/ by that tau (`walk_tau` in ret/*-best.json): v12 reads 1.834 on
-#      the same rows (c9's last 128, first 32 walked; its teacher-forced figure there is 2.94), and
-#      the run validates its --init first as step 0, so ret/*-best.json at step 0 means nothing beat
-#      it. Ship a run's best/ only above that. The arithmetic: 900 - start (35-60) - step 1 (~230) - step 2 (~10) leaves ~600-625 s, and step 3
+#      decoding does and picks best/ by that tau (`walk_tau` in ret/*-best.json; the run validates its
+#      --init first as step 0, so step 0 there means nothing beat it); ret/<run>-final is the last step.
+#      That walk is one kind of chat (c9's): v13 read 1.801 there against v12's 1.830 and still gained
+#      on seven prompt sets. Ship whichever of best/ and final beats the shipped drafter on
+#      `benchmarks.gate_headroom --no-calibrate` over the five sets and the EAGLE alpaca / QA sets
+#      (`benchmarks/results/cpu-smollm2-drafter-v13-ab.md`: ~2.5 min per drafter on CPU). The arithmetic: 900 - start (35-60) - step 1 (~230) - step 2 (~10) leaves ~600-625 s, and step 3
 #      takes all but the ~20-40 s its output needs to come back. Keep the calls back to back: a gap over
 #      30 s releases the machine, and the stashed pieces go with it;
 #   4. `perf` (the whole profile at 8B shapes, tree steps and the real bastion loop included, ~330-360 s)
