@@ -8,14 +8,14 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12; do
+for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
   prompts=$here/magpie_prompts.jsonl.gz
   [ $kind = t07s3 ] && prompts=$here/magpie_prompts_s3.jsonl.gz  # its own self-written prompts (seed 3; 300 used)
   [ $kind = t07s4 ] && prompts=$here/magpie_prompts_s4.jsonl.gz  # likewise (seed 4)
-  case $kind in c7 | c8 | c9 | c10 | c11 | c12) prompts=$here/magpie_prompts_$kind.jsonl.gz ;; esac  # the chat sets' own
+  case $kind in c7 | c8 | c9 | c10 | c11 | c12 | c13) prompts=$here/magpie_prompts_$kind.jsonl.gz ;; esac  # the chat sets' own
   if [ -f $prompts ] && [ ! -f runs/data/$kind.jsonl.magpie.jsonl ]; then
     gunzip -c $prompts > runs/data/$kind.jsonl.magpie.jsonl
   fi
@@ -59,3 +59,7 @@ python -m bastion_jax.train_drafter pack --data runs/data/c11.jsonl --out $here/
 python -m bastion_jax.train_drafter data --out runs/data/c12.jsonl --num 1500 --seed 12 --magpie 1500 --magpie-openers \
   ${chat/--temperature 0.7/--temperature 0}
 python -m bastion_jax.train_drafter pack --data runs/data/c12.jsonl --out $here/c12.npz --vocab-size 49152
+# And seed 13 (magpie_prompts_c13), the same way, on CPU in the background of a session (2026-12-02).
+python -m bastion_jax.train_drafter data --out runs/data/c13.jsonl --num 1500 --seed 13 --magpie 1500 --magpie-openers \
+  ${chat/--temperature 0.7/--temperature 0}
+python -m bastion_jax.train_drafter pack --data runs/data/c13.jsonl --out $here/c13.npz --vocab-size 49152
