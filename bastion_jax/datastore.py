@@ -108,7 +108,7 @@ def store_chain(store: Datastore, history: jax.Array, root_pos: jax.Array, depth
     # Lower bounds (first key >= q) and upper bounds (first key > q) for every n at once, by a
     # FANOUT-ary search: each round compares FANOUT pivots per bound (XLA:CPU pays ~20 us per loop
     # round, little per compare, so 6 rounds of 15 pivots beat 23 binary ones: 0.45 -> 0.22 ms on the
-    # shipped 5.7M-token store). Pivot arithmetic stays in int32 for corpora below 2^31 / FANOUT.
+    # 4.3M-token store shipped then). Pivot arithmetic stays in int32 for corpora below 2^31 / FANOUT.
     upper = jnp.concatenate([jnp.zeros(MAX_MATCH, bool), jnp.ones(MAX_MATCH, bool)])[:, None]
     m = jnp.arange(1, FANOUT + 1)
 
