@@ -15,7 +15,7 @@ for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13; do
   prompts=$here/magpie_prompts.jsonl.gz
   [ $kind = t07s3 ] && prompts=$here/magpie_prompts_s3.jsonl.gz  # its own self-written prompts (seed 3; 300 used)
   [ $kind = t07s4 ] && prompts=$here/magpie_prompts_s4.jsonl.gz  # likewise (seed 4)
-  case $kind in c7 | c8 | c9 | c10 | c11 | c12 | c13) prompts=$here/magpie_prompts_$kind.jsonl.gz ;; esac  # the chat sets' own
+  case $kind in c[0-9]*) prompts=$here/magpie_prompts_$kind.jsonl.gz ;; esac  # the chat sets' own
   if [ -f $prompts ] && [ ! -f runs/data/$kind.jsonl.magpie.jsonl ]; then
     gunzip -c $prompts > runs/data/$kind.jsonl.magpie.jsonl
   fi
@@ -51,15 +51,11 @@ python -m bastion_jax.train_drafter pack --data runs/data/c9.jsonl --out $here/c
 python -m bastion_jax.train_drafter data --out runs/data/c10.jsonl --num 1200 --seed 10 --magpie 1200 --magpie-openers \
   ${chat/--temperature 0.7/--temperature 0}
 python -m bastion_jax.train_drafter pack --data runs/data/c10.jsonl --out $here/c10.npz --vocab-size 49152
-# More of the same (seed 11, magpie_prompts_c11): greedy chat on opener-seeded prompts, for the next GPU trainer.
-python -m bastion_jax.train_drafter data --out runs/data/c11.jsonl --num 1500 --seed 11 --magpie 1500 --magpie-openers \
-  ${chat/--temperature 0.7/--temperature 0}
-python -m bastion_jax.train_drafter pack --data runs/data/c11.jsonl --out $here/c11.npz --vocab-size 49152
-# And seed 12 (magpie_prompts_c12), the same way: made on CPU in the background of a session (2026-11-28).
-python -m bastion_jax.train_drafter data --out runs/data/c12.jsonl --num 1500 --seed 12 --magpie 1500 --magpie-openers \
-  ${chat/--temperature 0.7/--temperature 0}
-python -m bastion_jax.train_drafter pack --data runs/data/c12.jsonl --out $here/c12.npz --vocab-size 49152
-# And seed 13 (magpie_prompts_c13), the same way, on CPU in the background of a session (2026-12-02).
-python -m bastion_jax.train_drafter data --out runs/data/c13.jsonl --num 1500 --seed 13 --magpie 1500 --magpie-openers \
-  ${chat/--temperature 0.7/--temperature 0}
-python -m bastion_jax.train_drafter pack --data runs/data/c13.jsonl --out $here/c13.npz --vocab-size 49152
+# More of the same, 1500 prompts each with their own Magpie prompts (magpie_prompts_cN): seed 11
+# (2026-11-27, for the next GPU trainer), seed 12 (2026-11-28) and seed 13 (2026-12-02), each made on
+# CPU in the background of a session.
+for seed in 11 12 13; do
+  python -m bastion_jax.train_drafter data --out runs/data/c$seed.jsonl --num 1500 --seed $seed --magpie 1500 --magpie-openers \
+    ${chat/--temperature 0.7/--temperature 0}
+  python -m bastion_jax.train_drafter pack --data runs/data/c$seed.jsonl --out $here/c$seed.npz --vocab-size 49152
+done
