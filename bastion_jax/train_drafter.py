@@ -242,6 +242,8 @@ def run_train(args, target, log) -> None:
                       matmul_dtype=args.matmul_dtype, cache_features=not args.no_feature_cache,
                       distill=args.distill, walk_rows=args.walk_rows, walk_window=args.walk_window)
     data = TokenDataset.from_files(args.data, cfg.seq_len, target.config.vocab_size)
+    if data.duplicates:
+        log(f"data: {data.duplicates} rows repeat another row exactly and are dropped ({len(data)} distinct)")
     train, val = data.split(args.held_out)
     if args.init:
         # unrolled layers: the trainer's checkpoints and warm start are per layer on every backend

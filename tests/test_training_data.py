@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from bastion_jax.testing import tiny_tokenizer
-from bastion_jax.training.data import (DataError, TokenDataset, magpie_prompts, pack_records, read_packed,
-                                       read_records, user_turn_prefix)
+from bastion_jax.training.data import (DataError, TokenDataset, batch_seed, magpie_prompts, pack_records,
+                                       read_packed, read_records, user_turn_prefix)
 
 CHAT = ("{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
         "{% if add_generation_prompt %}<s> assistant {% endif %}")
@@ -66,7 +66,7 @@ def test_magpie_filters_and_resumes(tmp_path):
     engine = FakeEngine(batches)
     got = magpie_prompts(engine, tok, 2, out, batch_size=4, seed=7, progress=False)
     assert got == [tok.decode(long_q), tok.decode(words(*range(40, 50)))]
-    assert engine.seeds == [7, 8]
+    assert engine.seeds == [batch_seed(7, 0), batch_seed(7, 1)]
     assert [json.loads(line)["prompt"] for line in open(out)] == got
     # A rerun with the file present generates nothing more.
     again = FakeEngine([])
@@ -98,6 +98,40 @@ def test_magpie_openers_start_each_user_turn(tmp_path):
     again = FakeEngine([rows(0), rows(4)])
     magpie_prompts(again, tok, 8, tmp_path / "again.jsonl", batch_size=4, seed=3, progress=False, openers=openers)
     assert again.prompts == engine.prompts  # the same seed draws the same openers
+
+
+def test_neighbouring_seeds_draw_unrelated_batches(tmp_path):
+    """Runs with seeds s and s + 1 must not share batches: with `seed + batch` they did (run s's batch 1
+    was run s+1's batch 0), and five chat sets made that way repeated each other row for row."""
+    seeds = {batch_seed(s, i) for s in range(10, 20) for i in range(200)}
+    assert len(seeds) == 10 * 200
+    assert batch_seed(3, 1) == batch_seed(3, 1)  # deterministic: a resumed run draws what it would have
+    tok = chat_tokenizer()
+    body = [tok.get_vocab()[f"w{i}"] for i in range(20, 30)]
+    turns = [[body[i:] + body[:i] + [2] for i in range(j, j + 4)] for j in (0, 4)]
+    a, b = FakeEngine(turns), FakeEngine([t[:] for t in turns])
+    magpie_prompts(a, tok, 8, tmp_path / "a.jsonl", batch_size=4, seed=10, progress=False, openers=("w4", "w5", "w7"))
+    magpie_prompts(b, tok, 8, tmp_path / "b.jsonl", batch_size=4, seed=11, progress=False, openers=("w4", "w5", "w7"))
+    assert not set(a.seeds) & set(b.seeds)
+
+
+def test_exact_repeats_are_one_row_kept_at_their_last_place():
+    """A row repeated across files is trained on once, and a repeat of a held-out (last) row never stays
+    in the training part."""
+    rec = lambda p, r: {"prompt_ids": p, "response_ids": r}  # noqa: E731
+    rows = [rec([1, 2], [3, 4]), rec([5], [6, 7]), rec([1, 2], [3, 4]), rec([1], [2, 3, 4]),
+            rec([8], [9, 10]), rec([5], [6, 7])]
+    data = TokenDataset(rows, seq_len=8, vocab_size=16)
+    assert data.duplicates == 2
+    assert len(data) == 4
+    # [1, 2 | 3, 4] and [1 | 2, 3, 4] share tokens but not the response start: both stay
+    assert data.tokens[:, :4].tolist() == [[1, 2, 3, 4], [1, 2, 3, 4], [8, 9, 10, 0], [5, 6, 7, 0]]
+    assert data.loss_mask[:2, :4].tolist() == [[False, False, True, True], [False, True, True, True]]
+    train, val = data.split(1)
+    assert val.tokens[0, :3].tolist() == [5, 6, 7]
+    assert not any((t == val.tokens[0]).all() for t in train.tokens)
+    # cut to seq_len, rows that differ only after it are one example
+    assert TokenDataset([rec([1], [2, 3, 4]), rec([1], [2, 3, 5])], seq_len=3, vocab_size=16).duplicates == 1
 
 
 def test_pack_round_trip_is_exact_and_compact(tmp_path):
