@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14; do
+for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
@@ -53,8 +53,9 @@ python -m bastion_jax.train_drafter data --out runs/data/c10.jsonl --num 1200 --
 python -m bastion_jax.train_drafter pack --data runs/data/c10.jsonl --out $here/c10.npz --vocab-size 49152
 # More of the same, 1500 prompts each with their own Magpie prompts (magpie_prompts_cN): seed 11
 # (2026-11-27, for the next GPU trainer), seed 12 (2026-11-28), seeds 13 and 14 (2026-12-02), each made
-# on CPU in the background of a session.
-for seed in 11 12 13 14; do
+# on CPU in the background of a session. Seeds 11-14 sampled batch i with seed + i, so they mostly
+# repeat c10 (README.md); seeds 15 and 16 (2026-12-02) draw one stream per (seed, batch) and are new.
+for seed in 11 12 13 14 15 16; do
   python -m bastion_jax.train_drafter data --out runs/data/c$seed.jsonl --num 1500 --seed $seed --magpie 1500 --magpie-openers \
     ${chat/--temperature 0.7/--temperature 0}
   python -m bastion_jax.train_drafter pack --data runs/data/c$seed.jsonl --out $here/c$seed.npz --vocab-size 49152
