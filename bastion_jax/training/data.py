@@ -227,10 +227,10 @@ def magpie_prompts(engine, tokenizer, num: int, out: str | Path, *, temperature:
     with open(out, "a") as f, tqdm(total=num, initial=min(len(have), num), disable=not progress,
                                    desc="magpie prompts", unit="prompt") as bar:
         while len(have) < num and tries < max_tries * (num // batch_size + 1):
-            batch_rng = batch_seed(seed, batch_index)
-            starts = _opener_ids(tokenizer, openers, batch_size, batch_rng)  # [batch] token lists
+            seed_i = batch_seed(seed, batch_index)
+            starts = _opener_ids(tokenizer, openers, batch_size, seed_i)  # [batch] token lists
             result = engine.generate([prefix + s for s in starts], max_new_tokens=max_new_tokens, mode="ar",
-                                     sampling=sampling, seed=batch_rng)
+                                     sampling=sampling, seed=seed_i)
             batch_index += 1
             tries += 1
             for start, toks in zip(starts, result.tokens):
