@@ -217,8 +217,9 @@ def test_a_datastore_needs_the_lookup(converted, tmp_path):
 
 
 def test_build_measures_rates_on_held_out_prompts(tmp_path, monkeypatch):
-    """`train_drafter datastore`: every row is stored; the hit rates come from held-out greedy rows
-    measured against the rows of other prompts (a prompt's other answers would flatter them)."""
+    """`train_drafter datastore`: every distinct row is stored once; the hit rates come from held-out
+    greedy rows measured against the rows of other prompts (a prompt's other answers would flatter
+    them)."""
     from bastion_jax.train_drafter import main
     from bastion_jax.training.data import pack_records
 
@@ -230,14 +231,16 @@ def test_build_measures_rates_on_held_out_prompts(tmp_path, monkeypatch):
         prompt = [1, 2, int(i)]
         answer = rng.integers(3, 29, 5).tolist() + phrase + rng.integers(3, 29, 5).tolist()
         records += [{"prompt_ids": prompt, "response_ids": answer, "temperature": 0.0},
-                    {"prompt_ids": prompt, "response_ids": answer, "temperature": 0.7}]  # a twin per prompt
-    data = pack_records(records, tmp_path / "d.npz", vocab_size=64)
+                    {"prompt_ids": prompt, "response_ids": answer[:-1] + [63], "temperature": 0.7}]  # a twin
+    repeats = [dict(r, temperature=0.7) for r in records[::2][:15]]  # exact repeats of greedy rows
+    data = pack_records(repeats + records, tmp_path / "d.npz", vocab_size=64)
     out = tmp_path / FILE
     assert main(["datastore", "--data", str(data), "--out", str(out), "--held-out", "10", "--quiet"]) == 0
     store = load_datastore(out, vocab_size=64)
     assert len(np.asarray(store.tokens)) == 1 + sum(1 + len(r["prompt_ids"]) + len(r["response_ids"]) for r in records)
     info = datastore_info(out)
     counts = np.asarray(info["counts"])
+    assert info["rows"] == len(records) and info["repeats_dropped"] == len(repeats)
     assert info["held_out_rows"] == 10 and counts[:, 1].sum() > 0
     # Without the twins of held-out prompts, the random tokens around the phrase are mostly missed: far
     # below the hit rate of copying an answer of the same prompt (1.0).

@@ -7,7 +7,7 @@ target wrote twice), and a chain copied from the same prompt's other answer is r
 than it will be on a new prompt. So `held_out` greedy rows are drawn, every row that shares a
 prompt with one of them leaves the measuring datastore, and the chain after each of their first
 `positions` response tokens is judged against what the target wrote next (`lookup.chain_outcome`,
-the rule decoding learns by). The shipped file then holds every row.
+the rule decoding learns by). The shipped file then holds every distinct row.
 """
 
 from __future__ import annotations
@@ -71,12 +71,38 @@ def rates(counts: np.ndarray, prior_weight: float = 20.0) -> tuple[np.ndarray, n
     return np.clip(first, 0.01, 0.95), np.clip(cont, 0.01, 0.95)
 
 
+def _greedy(record: dict) -> bool:
+    return float(record.get("temperature", 0.0)) == 0.0
+
+
+def _distinct(records: Sequence[dict]) -> tuple[list[dict], int]:
+    """The records with exact repeats (prompt and response) folded into their first place, and how
+    many were folded; a greedy copy's record replaces a sampled one."""
+    first: dict[tuple, int] = {}
+    kept: list[dict] = []
+    for r in records:
+        key = (tuple(r["prompt_ids"]), tuple(r["response_ids"]))
+        if key not in first:
+            first[key] = len(kept)
+            kept.append(r)
+        elif _greedy(r) and not _greedy(kept[first[key]]):
+            kept[first[key]] = r
+    return kept, len(records) - len(kept)
+
+
 def build_datastore(records: Sequence[dict], out: str | Path, vocab_size: int, *, files: Sequence[str] = (),
                     held_out: int = 400, positions: int = 96, seed: int = 0, log=print) -> dict:
-    """Write `out` (every record, prompt + response) with hit rates measured on `held_out` greedy rows
-    against a datastore without their prompts. Returns the provenance it records."""
+    """Write `out` (every distinct record, prompt + response) with hit rates measured on `held_out`
+    greedy rows against a datastore without their prompts. Returns the provenance it records.
+
+    Exact repeats (same prompt and response, e.g. from data sets made with overlapping seeds) are
+    stored once: a chain is the majority vote of the matches, and a row stored k times would cast k
+    votes. A repeat keeps the greedy label if any copy has it, so it can still measure the rates."""
+    records, repeats = _distinct(records)
+    if repeats:
+        log(f"{repeats} records repeat another exactly and are stored once")
     seqs = [(list(r["prompt_ids"]) + list(r["response_ids"]), len(r["prompt_ids"])) for r in records]
-    greedy = [i for i, r in enumerate(records) if float(r.get("temperature", 0.0)) == 0.0 and r["response_ids"]]
+    greedy = [i for i, r in enumerate(records) if _greedy(r) and r["response_ids"]]
     if not greedy:
         raise ValueError("the datastore's hit rates are measured on greedy rows (temperature 0): the data has none")
     rng = np.random.default_rng(seed)
@@ -88,7 +114,7 @@ def build_datastore(records: Sequence[dict], out: str | Path, vocab_size: int, *
     log(f"measuring hit rates: {len(dev)} held-out greedy rows against {len(measuring)} rows of other prompts")
     counts = measure_rates(_store(measuring), [seqs[i] for i in dev], positions)
     first, cont = rates(counts)
-    info = {"rows": len(seqs), "tokens": int(sum(len(s) for s, _ in seqs)), "files": list(files),
+    info = {"rows": len(seqs), "repeats_dropped": repeats, "tokens": int(sum(len(s) for s, _ in seqs)), "files": list(files),
             "held_out_rows": len(dev), "positions_per_row": positions, "seed": seed,
             "counts": counts.astype(int).tolist(), "first": first.round(4).tolist(), "cont": cont.round(4).tolist(),
             "date": datetime.date.today().isoformat(),
