@@ -158,11 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     from bastion_jax.speculative import resolve_draft_vocab
     from bastion_jax.text import IncrementalDetokenizer, encode_prompt, load_tokenizer
 
+    from bastion_jax.controller import DEFAULT_BUCKETS, Policy, parse_buckets
+
     try:
+        # Settings first: a typo is reported before seconds of loading and a minute of calibration.
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+        if args.max_new_tokens < 1:
+            raise GenerationError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        if args.mode:
+            Policy.parse(args.mode)
         path, target, drafter = load_models(args, log)
         tokenizer = load_tokenizer(target)
-        from bastion_jax.controller import DEFAULT_BUCKETS, Policy, parse_buckets
 
         mode = args.mode or ("bastion" if drafter else "ar")
         policy = Policy.parse(mode)

@@ -201,3 +201,13 @@ def test_the_cli_keeps_compiled_steps_in_the_cache_root(tiny_ckpt, tmp_path):
     own = dict(env, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "mine"))
     assert subprocess.run(cmd, env=own, capture_output=True, text=True, timeout=600).returncode == 0
     assert any(p.name.startswith("jit_decode-") for p in (tmp_path / "mine").iterdir())
+
+
+@pytest.mark.parametrize("bad, message", [(("--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
+                                          (("--mode", "weird"), "unknown mode 'weird'"),
+                                          (("--temperature", "-1"), "temperature must be")])
+def test_bad_settings_are_refused_before_loading(capsys, tmp_path, bad, message):
+    """A bad setting is named before any checkpoint is read (here none exists), not after loading
+    and calibrating."""
+    rc, _, err = run(capsys, "w5", "--target", str(tmp_path / "missing"), *bad)
+    assert rc != 0 and message in err and "missing" not in err
