@@ -152,13 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     use_compilation_cache()
 
     from bastion_jax.checkpoints import CheckpointError
+    from bastion_jax.controller import DEFAULT_BUCKETS, Policy, parse_buckets
     from bastion_jax.default_model import DefaultModelError
     from bastion_jax.engine import Engine, GenerationError, prefill_bucket
     from bastion_jax.sampling import SamplingConfig
     from bastion_jax.speculative import resolve_draft_vocab
     from bastion_jax.text import IncrementalDetokenizer, encode_prompt, load_tokenizer
-
-    from bastion_jax.controller import DEFAULT_BUCKETS, Policy, parse_buckets
 
     try:
         # Settings first: a typo is reported before seconds of loading and a minute of calibration.

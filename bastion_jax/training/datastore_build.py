@@ -114,7 +114,8 @@ def build_datastore(records: Sequence[dict], out: str | Path, vocab_size: int, *
     log(f"measuring hit rates: {len(dev)} held-out greedy rows against {len(measuring)} rows of other prompts")
     counts = measure_rates(_store(measuring), [seqs[i] for i in dev], positions)
     first, cont = rates(counts)
-    info = {"rows": len(seqs), "repeats_dropped": repeats, "tokens": int(sum(len(s) for s, _ in seqs)), "files": list(files),
+    info = {"rows": len(seqs), "repeats_dropped": repeats, "tokens": int(sum(len(s) for s, _ in seqs)),
+            "files": list(files),
             "held_out_rows": len(dev), "positions_per_row": positions, "seed": seed,
             "counts": counts.astype(int).tolist(), "first": first.round(4).tolist(), "cont": cont.round(4).tolist(),
             "date": datetime.date.today().isoformat(),
