@@ -3,6 +3,7 @@ the --dtype and --lookup flags, JAX's persistent compilation cache."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -32,6 +33,17 @@ def use_compilation_cache(directory: str | Path | None = None) -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
     return directory
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts that must be >= 1: refused while parsing, before anything loads."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return n
 
 
 def stderr_log(quiet: bool) -> Callable[[str], None]:

@@ -8,8 +8,8 @@ import sys
 import time
 
 from bastion_jax.calibration import calibration_model, load_or_calibrate
-from bastion_jax.cli import (add_lookup_flag, add_sampling_flags, dtype_note, fail, resolve_dtype, resolve_lookup,
-                             stderr_log, use_compilation_cache)
+from bastion_jax.cli import (add_lookup_flag, add_sampling_flags, dtype_note, fail, positive_int, resolve_dtype,
+                             resolve_lookup, stderr_log, use_compilation_cache)
 
 DEFAULT_PROMPT_HELP = "With no --target, the embedded SmolLM2-135M-Instruct is used."
 DEFAULT_BLOCK_SIZE = 16  # of a --drafter random
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "never writes a calibration")
     p.add_argument("--block-size", type=int, help=f"block size of a --drafter random (default {DEFAULT_BLOCK_SIZE}; "
                    "a loaded drafter has its own)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="maximum new tokens per prompt (default 256)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="maximum new tokens per prompt (default 256)")
     add_sampling_flags(p)
     p.add_argument("--sample-top-k", "--sampling-top-k", dest="top_k", type=int, default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the old spelling of --top-k
@@ -162,15 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Settings first: a typo is reported before seconds of loading and a minute of calibration.
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-        if args.max_new_tokens < 1:
-            raise GenerationError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-        if args.mode:
-            Policy.parse(args.mode)
+        policy = Policy.parse(args.mode) if args.mode else None
         path, target, drafter = load_models(args, log)
         tokenizer = load_tokenizer(target)
 
         mode = args.mode or ("bastion" if drafter else "ar")
-        policy = Policy.parse(mode)
+        policy = policy or Policy.parse(mode)
         if policy.kind != "ar" and drafter is None:
             raise ValueError(f"--mode {mode} needs --drafter DIR (or --drafter random)")
         buckets = parse_buckets(args.buckets) if args.buckets else DEFAULT_BUCKETS

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from bastion_jax.cli import add_lookup_flag, fail, resolve_lookup, stderr_log, use_compilation_cache
+from bastion_jax.cli import add_lookup_flag, fail, positive_int, resolve_lookup, stderr_log, use_compilation_cache
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEFAULT_SOURCES = ("gsm8k_train.jsonl.gz", "code_alpaca_2k.jsonl.gz")
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init", help="start from this drafter checkpoint instead of a random one (and keep the token "
                    "ranking stored beside it, so the loss vocabulary stays the one it was trained on); a fresh run "
                    "validates it first, as step 0, so best/ holds a trained step only where one beats it")
-    t.add_argument("--layers", type=_positive_int, help="drafter layers (default 2; with --init: the init's own, and a larger "
+    t.add_argument("--layers", type=positive_int, help="drafter layers (default 2; with --init: the init's own, and a larger "
                    "N grows it: copies of its last layer whose output projections start at zero, so the deeper "
                    "drafter starts out drafting exactly as the init)")
     t.add_argument("--num-taps", type=int, help="target layers tapped for features (default: max(layers, 3))")
@@ -141,16 +141,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-chat", action="store_true", help="prompts as plain text (no chat template)")
     e.add_argument("--out", help="also write the report to OUT.json and OUT.md")
     return p
-
-
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return n
 
 
 def _positive_seconds(text: str) -> float:

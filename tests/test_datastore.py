@@ -261,3 +261,15 @@ def test_missed_datastore_chains_lower_every_datastore_class():
     counts[2 + 3] = [0, 12, 0, 0]  # twelve chains of class 3, none right
     first, cont = (np.asarray(x) for x in probabilities(cfg, jnp.asarray(counts), store))
     assert (first[2:] < 0.5 * 0.6).all() and np.allclose(first[:2], (0.3, 0.6)) and np.allclose(cont, cont0)
+
+
+def test_repeats_are_stored_once_keeping_a_greedy_label():
+    """A repeat folds into the first copy's place, and a greedy copy's record replaces a sampled one,
+    so a prompt answered the same way greedily and by sampling can still measure hit rates."""
+    from bastion_jax.training.datastore_build import _distinct
+
+    sampled = {"prompt_ids": [1], "response_ids": [2, 3], "temperature": 0.7}
+    greedy = dict(sampled, temperature=0.0)
+    other = {"prompt_ids": [1], "response_ids": [2, 4], "temperature": 0.7}
+    kept, repeats = _distinct([sampled, other, greedy, dict(other)])
+    assert repeats == 2 and kept == [greedy, other]
