@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--reuse-features", nargs="+", default=[], metavar="DIR",
                    help="other runs' features/ directories: rows whose target features are stored there (same "
                    "target, taps and tokens) are copied instead of recomputed")
+    t.add_argument("--ema", type=float, default=0.0, metavar="DECAY",
+                   help="validate and export an exponential moving average of the weights with this decay per step, "
+                        "started at the starting weights (e.g. 0.998 when continuing a trained drafter; default 0: "
+                        "the weights as trained)")
     t.add_argument("--resume", action="store_true", help="continue OUT's latest checkpoint and refuse to start "
                    "without one (a rerun without --resume also continues a checkpoint it finds, and says so)")
     t.add_argument("--max-seconds", type=_positive_seconds, help="stop after this much wall time (at a step boundary: "
@@ -230,7 +234,7 @@ def run_train(args, target, log) -> None:
                       save_every=args.save_every, eval_every=args.eval_every,
                       draft_vocab=draft_vocab_size(args.draft_vocab, target.config.vocab_size),
                       matmul_dtype=args.matmul_dtype, cache_features=not args.no_feature_cache,
-                      distill=args.distill, walk_rows=args.walk_rows, walk_window=args.walk_window)
+                      distill=args.distill, walk_rows=args.walk_rows, walk_window=args.walk_window, ema=args.ema)
     data = TokenDataset.from_files(args.data, cfg.seq_len, target.config.vocab_size)
     if data.duplicates:
         log(f"data: {data.duplicates} rows repeat another row exactly and are dropped ({len(data)} distinct)")

@@ -293,6 +293,49 @@ def test_max_seconds_stops_resumably_and_anneals(pair, toy_data, tmp_path, monke
     assert len(later) == 2 and max(later) < 0.15 * cfg.lr  # it goes on annealed, no jump back to the peak
 
 
+def test_averaged_weights_are_validated_exported_and_resumed(pair, toy_data, tmp_path, monkeypatch):
+    """`TrainConfig.ema`: the run validates, hands `on_best` and returns the average
+    e_t = d e_(t-1) + (1 - d) p_t begun at the starting weights; a resumed run continues the
+    checkpointed average (not a new one), and one resumed from a checkpoint without it starts there."""
+    from bastion_jax.training import trainer as trainer_module
+
+    target, drafter = pair
+    train, val = TokenDataset(toy_data, seq_len=32, vocab_size=target.config.vocab_size).split(4)
+    cfg = TrainConfig(steps=2, batch_size=4, seq_len=32, num_anchors=8, lr=1e-2, log_every=1, save_every=1, ema=0.5)
+    trained, real = [], trainer_module.train_step
+    monkeypatch.setattr(trainer_module, "train_step",
+                        lambda *a, **k: (lambda out: trained.append(jax.tree.map(np.array, out[0])) or out)(real(*a, **k)))
+    leaves = lambda tree: [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]
+    mix = lambda a, b: [0.5 * x + 0.5 * y for x, y in zip(a, b)]
+
+    def close(a, b):
+        return all(np.allclose(x, y, atol=1e-6) for x, y in zip(a, b))
+
+    handed = []
+    first = Trainer(target, drafter, cfg, tmp_path / "ema", log=lambda m: None,
+                    on_best=lambda params, ev: handed.append(leaves(params))).fit(train, val, progress=False)
+    p0 = leaves(drafter.state)
+    e2 = mix(mix(p0, leaves(trained[0])), leaves(trained[1]))
+    assert close(leaves(first.state), e2) and not close(e2, leaves(trained[1]))
+    assert len(handed) == 1 and close(handed[0], e2)  # validation read the average, not the last step
+    logs = []
+    later = Trainer(target, drafter, dataclasses_replace(cfg, steps=3), tmp_path / "ema", log=logs.append).fit(
+        train, progress=False)
+    assert any("resumed" in m for m in logs) and len(trained) == 3
+    assert close(leaves(later.state), mix(e2, leaves(trained[2])))
+
+    plain = dataclasses_replace(cfg, ema=0.0)
+    Trainer(target, drafter, plain, tmp_path / "plain", log=lambda m: None).fit(train, progress=False)
+    assert len(trained) == 5
+    logs.clear()
+    switched = Trainer(target, drafter, dataclasses_replace(cfg, steps=3), tmp_path / "plain", log=logs.append).fit(
+        train, progress=False)
+    assert any("no averaged weights" in m for m in logs)
+    assert close(leaves(switched.state), mix(leaves(trained[4]), leaves(trained[5])))
+    with pytest.raises(ValueError, match="ema must be in"):
+        TrainConfig(steps=1, ema=1.0)
+
+
 def test_a_checkpoint_of_another_layout_is_refused_in_one_line(pair, toy_data, tmp_path):
     target, drafter = pair
     train, _ = TokenDataset(toy_data, seq_len=32, vocab_size=target.config.vocab_size).split(4)

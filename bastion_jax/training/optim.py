@@ -35,6 +35,9 @@ class TrainConfig:
     # decoding does (`walk.py`): the tau that selects the best step (0 rows: the teacher-forced tau).
     walk_rows: int = 32
     walk_window: int = 96
+    # Weights averaged over the run (`ema_update`): 0 = off; else the decay of an exponential moving
+    # average that starts at the starting weights and is what validation, `best/` and the export read.
+    ema: float = 0.0
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1:
@@ -47,6 +50,8 @@ class TrainConfig:
             raise ValueError(f"distill must be in [0, 1], got {self.distill}")
         if self.walk_rows < 0 or self.walk_window < 1:
             raise ValueError(f"walk_rows must be >= 0 and walk_window >= 1, got {self.walk_rows}, {self.walk_window}")
+        if not 0.0 <= self.ema < 1.0:
+            raise ValueError(f"ema must be in [0, 1) (0 = off), got {self.ema}")
         if self.matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
 
