@@ -303,8 +303,13 @@ def test_averaged_weights_are_validated_exported_and_resumed(pair, toy_data, tmp
     train, val = TokenDataset(toy_data, seq_len=32, vocab_size=target.config.vocab_size).split(4)
     cfg = TrainConfig(steps=2, batch_size=4, seq_len=32, num_anchors=8, lr=1e-2, log_every=1, save_every=1, ema=0.5)
     trained, real = [], trainer_module.train_step
-    monkeypatch.setattr(trainer_module, "train_step",
-                        lambda *a, **k: (lambda out: trained.append(jax.tree.map(np.array, out[0])) or out)(real(*a, **k)))
+
+    def recording(*a, **k):  # the weights after each step
+        out = real(*a, **k)
+        trained.append(jax.tree.map(np.array, out[0]))
+        return out
+
+    monkeypatch.setattr(trainer_module, "train_step", recording)
     leaves = lambda tree: [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]
     mix = lambda a, b: [0.5 * x + 0.5 * y for x, y in zip(a, b)]
 

@@ -88,7 +88,7 @@ def ema_update(ema, params, decay: jax.Array):
     """The moving average of the weights one step on: ema + (1 - decay) (params - ema).
 
     Why average: a run that continues a trained drafter first loses ground (fresh optimizer moments,
-    the warm-up to the peak rate: the held-out walk dipped 1-2% in every CPU pass from v14) and the
+    the warm-up to the peak rate: the held-out walk dipped ~1% early in every CPU pass from v14) and the
     last step is one noisy point of the descent; the average starts at the starting weights and
     moves with the run, so it keeps what the run gains and little of its noise."""
     return jax.tree.map(lambda e, p: e + (1.0 - decay) * (p - e), ema, params)
@@ -381,7 +381,8 @@ class Trainer:
                     f.write(json.dumps({"split": "train", **avg}) + "\n")
             evaluating = val is not None and (last or (self.cfg.eval_every and step % self.cfg.eval_every == 0))
             if evaluating:
-                self._validate(params if ema is None else ema, val, val_store, step, "" if ema is None else "averaged weights")
+                shipped, what = (params, "") if ema is None else (ema, "averaged weights")
+                self._validate(shipped, val, val_store, step, what)
             if step % self.cfg.save_every == 0 or last:
                 self._save(mngr, step, params, opt_state, ema)
                 store.flush()
