@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validate and export an exponential moving average of the weights with this decay per step, "
                         "started at the starting weights (e.g. 0.998 when continuing a trained drafter; default 0: "
                         "the weights as trained)")
+    t.add_argument("--miss-weight", type=float, default=1.0, metavar="W",
+                   help="draw anchors where a row's chains first missed on its last visit W times as often (decoding "
+                        "anchors there, after a token the drafter got wrong; default 1: uniform anchors)")
     t.add_argument("--resume", action="store_true", help="continue OUT's latest checkpoint and refuse to start "
                    "without one (a rerun without --resume also continues a checkpoint it finds, and says so)")
     t.add_argument("--max-seconds", type=_positive_seconds, help="stop after this much wall time (at a step boundary: "
@@ -234,7 +237,8 @@ def run_train(args, target, log) -> None:
                       save_every=args.save_every, eval_every=args.eval_every,
                       draft_vocab=draft_vocab_size(args.draft_vocab, target.config.vocab_size),
                       matmul_dtype=args.matmul_dtype, cache_features=not args.no_feature_cache,
-                      distill=args.distill, walk_rows=args.walk_rows, walk_window=args.walk_window, ema=args.ema)
+                      distill=args.distill, walk_rows=args.walk_rows, walk_window=args.walk_window, ema=args.ema,
+                      miss_weight=args.miss_weight)
     data = TokenDataset.from_files(args.data, cfg.seq_len, target.config.vocab_size)
     if data.duplicates:
         log(f"data: {data.duplicates} rows repeat another row exactly and are dropped ({len(data)} distinct)")

@@ -138,9 +138,9 @@ def worker_new(data_path: str, steps: int, variants: list[int]) -> list[dict]:
         times, positions = [], []
         for i, b in enumerate(idx):
             t0 = time.perf_counter()
-            params, opt_state, m = train_step(params, opt_state, trainer.vocab, trainer.embed, store.get(b),
-                                              jnp.asarray(data.tokens[b]), jnp.asarray(data.loss_mask[b]),
-                                              jax.random.fold_in(key, i), tx=trainer.tx, **trainer.static)
+            params, opt_state, m, _ = train_step(params, opt_state, trainer.vocab, trainer.embed, store.get(b),
+                                                 jnp.asarray(data.tokens[b]), jnp.asarray(data.loss_mask[b]),
+                                                 jax.random.fold_in(key, i), tx=trainer.tx, **trainer.static)
             positions.append(int(m.positions))
             times.append(time.perf_counter() - t0)
         row = _summary(name, times, positions)

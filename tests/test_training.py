@@ -459,3 +459,85 @@ def test_cli_refuses_benchmark_sources(tmp_path, capsys):
     assert main(["data", "--target", str(tmp_path / "hf"), "--out", str(tmp_path / "d.jsonl"), "--sources",
                  str(bench), "--stdlib", "0", "--quiet"]) == 2
     assert "held-out benchmark" in capsys.readouterr().err
+
+
+def test_preferred_anchors_are_drawn_by_weight():
+    """`sample_anchors(prefer=, prefer_weight=W)` samples without replacement with weights W and 1:
+    one anchor of 18 candidates, two of them preferred with W = 5, lands on each preferred one with
+    probability 5 / 26; without a preference (or W = 1) the draw is the uniform one, anchor for anchor."""
+    rows, s = 4000, 20
+    mask = np.zeros((rows, s), bool)
+    mask[:, 1:20] = True  # candidates 1..18
+    prefer = np.zeros((rows, s), bool)
+    prefer[:, [3, 7]] = True
+    key = jax.random.key(0)
+    anchors, _ = sample_anchors(key, jnp.asarray(mask), 1, jnp.asarray(prefer), 5.0)
+    freq = np.bincount(np.asarray(anchors)[:, 0], minlength=s) / rows
+    p, sd = 5 / 26, np.sqrt(5 / 26 * 21 / 26 / rows)
+    assert abs(freq[3] - p) < 4 * sd and abs(freq[7] - p) < 4 * sd
+    assert abs(freq[[1, 2, 4, 5, 6] + list(range(8, 19))].mean() - 1 / 26) < 0.01
+    uniform = np.asarray(sample_anchors(key, jnp.asarray(mask), 3)[0])
+    np.testing.assert_array_equal(uniform, np.asarray(sample_anchors(key, jnp.asarray(mask), 3, jnp.asarray(prefer),
+                                                                     1.0)[0]))
+
+
+def test_first_misses_match_brute_force():
+    """The position of each block's first wrong draft on a response token (none for a full run, one
+    that ends on a non-response label, or an invalid block), as decoding would anchor next."""
+    from bastion_jax.training.objective import first_misses
+
+    rng = np.random.default_rng(1)
+    s, n, b = 40, 6, 3
+    mask = random_masks(rng, b, s)
+    obj = Objective(block_size=BLOCK, num_anchors=n, gamma=4.0, mask_token_id=0)
+    tokens = jnp.asarray(rng.integers(1, 50, (b, s)), jnp.int32)
+    anchors, valid = sample_anchors(jax.random.key(2), jnp.asarray(mask), n)
+    blocks = make_blocks(tokens, jnp.asarray(mask), anchors, valid, obj)
+    correct = rng.random((b, n, BLOCK - 1)) < 0.6
+    got = np.asarray(first_misses(blocks, jnp.asarray(correct) & blocks.real, s))
+    want = np.zeros((b, s), bool)
+    real = np.asarray(blocks.real)
+    for i in range(b):
+        for j in range(n):
+            if not valid[i, j]:
+                continue
+            for k in range(BLOCK - 1):
+                if not (correct[i, j, k] and real[i, j, k]):
+                    if real[i, j, k]:
+                        want[i, int(anchors[i, j]) + 1 + k] = True
+                    break
+    assert want.any() and (~want).any()
+    np.testing.assert_array_equal(got, want)
+
+
+def test_anchors_follow_the_last_visits_misses(pair, toy_data, tmp_path, monkeypatch):
+    """With `miss_weight`, each step hands back its rows' first misses and the next visit of those rows
+    draws its anchors preferring them; the run still learns. Without it the step gets no preference."""
+    from bastion_jax.training import trainer as trainer_module
+
+    target, drafter = pair
+    train = TokenDataset(toy_data[:8], seq_len=32, vocab_size=target.config.vocab_size)
+    calls, real = [], trainer_module.train_step
+
+    def recording(*a, **k):
+        out = real(*a, **k)
+        calls.append((None if a[8] is None else np.asarray(a[8]), np.asarray(a[5]), np.asarray(a[6]),
+                      None if out[3] is None else np.asarray(out[3])))
+        return out
+
+    monkeypatch.setattr(trainer_module, "train_step", recording)
+    cfg = TrainConfig(steps=3, batch_size=8, seq_len=32, num_anchors=8, lr=1e-2, log_every=1, save_every=10,
+                      miss_weight=4.0)
+    Trainer(target, drafter, cfg, tmp_path / "w", log=lambda m: None).fit(train, progress=False)
+    last = {}  # row tokens -> the misses its last visit handed back
+    for prefer, tokens, loss_mask, seen in calls:
+        want = np.array([last.get(t.tobytes(), np.zeros(t.shape, bool)) for t in tokens])
+        np.testing.assert_array_equal(prefer, want)
+        assert seen.any() and not (seen & ~loss_mask).any()
+        last.update({t.tobytes(): m for t, m in zip(tokens, seen)})
+    assert not calls[0][0].any() and calls[1][0].any()
+    Trainer(target, drafter, dataclasses_replace(cfg, miss_weight=1.0), tmp_path / "u", log=lambda m: None).fit(
+        train, progress=False)
+    assert calls[3][0] is None and calls[3][3] is None
+    with pytest.raises(ValueError, match="miss_weight must be > 0"):
+        TrainConfig(steps=1, miss_weight=0.0)

@@ -35,6 +35,9 @@ class Objective:
     # as (1 - distill) * hard + distill * soft. The hard label of sampled text is one draw of that
     # law; the law itself says what else the target would have accepted.
     distill: float = 0.0
+    # Anchors at the positions where the row's chains missed on its last visit (`first_misses`) are
+    # drawn this many times as often as others (1: uniform anchors).
+    miss_weight: float = 1.0
 
 
 class Blocks(NamedTuple):
@@ -49,22 +52,45 @@ class Blocks(NamedTuple):
     real: jax.Array  # [b, N, B-1] the label is a response token (what acceptance metrics count)
 
 
-def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
+def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int, prefer: jax.Array | None = None,
+                   prefer_weight: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """Distinct random anchors per row, ascending: p in [0, S-2] with loss_mask[p] and [p+1].
 
     loss_mask: [b, S] bool. Returns anchors [b, N] int32 (0 where invalid) and valid [b, N].
     Rows with fewer than N candidates get invalid (padding) blocks.
+
+    prefer: [b, S] bool, positions drawn with weight `prefer_weight` (others 1), sampling without
+    replacement by exponential races (Efraimidis-Spirakis: each candidate's time -log(1 - u) / weight,
+    the N earliest win); without it the draw is the uniform one.
     """
     b, s = loss_mask.shape
     if not 1 <= num_anchors <= s - 1:
         raise ValueError(f"num_anchors must be in [1, {s - 1}] for sequences of {s} tokens, got {num_anchors}")
     candidate = loss_mask[:, :-1] & loss_mask[:, 1:]  # [b, S-1]
-    score = jnp.where(candidate, jax.random.uniform(key, candidate.shape), 2.0)
+    race = jax.random.uniform(key, candidate.shape)  # [b, S-1]
+    if prefer is not None and prefer_weight != 1.0:  # -log(1 - u) is increasing in u: the same order at weight 1
+        race = -jnp.log1p(-race) / jnp.where(prefer[:, :-1], prefer_weight, 1.0)
+    score = jnp.where(candidate, race, jnp.inf)
     picked = jnp.argsort(score, axis=1)[:, :num_anchors]  # [b, N]: candidates first, random order
     ok = jnp.take_along_axis(candidate, picked, axis=1)
     ordered = jnp.sort(jnp.where(ok, picked, s + picked), axis=1)  # valid ascending, invalid last
     valid = ordered < s
     return jnp.where(valid, ordered, 0).astype(jnp.int32), valid
+
+
+def first_misses(blocks: Blocks, correct: jax.Array, seq_len: int) -> jax.Array:
+    """[b, S] bool: the positions where a block's chain first misses a response token.
+
+    Decoding anchors its next block exactly there (the target's own token, which the drafter got
+    wrong, is the new root), so these are the anchors decoding sees, harder than a uniform one:
+    after a miss the drafter has only the new root's embedding, not its features.
+    correct: [b, N, B-1] `top1_correct`."""
+    run = leading_run(correct)  # [b, N]
+    k = jnp.minimum(run, correct.shape[-1] - 1)
+    missed = blocks.valid & (run < correct.shape[-1]) & jnp.take_along_axis(blocks.real, k[..., None], -1)[..., 0]
+    q = jnp.where(missed, blocks.positions[:, :, 0] + 1 + run, seq_len)  # [b, N]; seq_len: none
+    rows = jnp.arange(q.shape[0])[:, None]
+    return jnp.zeros((q.shape[0], seq_len), bool).at[rows, q].set(True, mode="drop")
 
 
 def make_blocks(tokens: jax.Array, loss_mask: jax.Array, anchors: jax.Array, valid: jax.Array,

@@ -38,6 +38,9 @@ class TrainConfig:
     # Weights averaged over the run (`ema_update`): 0 = off; else the decay of an exponential moving
     # average that starts at the starting weights and is what validation, `best/` and the export read.
     ema: float = 0.0
+    # Anchors where a row's chains first missed on its last visit are drawn this many times as often
+    # (`Objective.miss_weight`): decoding anchors there, after a token the drafter got wrong. 1: uniform.
+    miss_weight: float = 1.0
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1:
@@ -52,6 +55,8 @@ class TrainConfig:
             raise ValueError(f"walk_rows must be >= 0 and walk_window >= 1, got {self.walk_rows}, {self.walk_window}")
         if not 0.0 <= self.ema < 1.0:
             raise ValueError(f"ema must be in [0, 1) (0 = off), got {self.ema}")
+        if not self.miss_weight > 0.0:
+            raise ValueError(f"miss_weight must be > 0 (1 = uniform anchors), got {self.miss_weight}")
         if self.matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
 

@@ -1,20 +1,9 @@
-"""Drafter training: one jitted step (DFlash objective + AdamW) over cached target features, a resumable loop.
+"""Drafter training's host loop: a resumable `Trainer` around the jitted steps of `step.py`.
 
-Where a step's time goes decides the design (SmolLM2-135M target, 2-layer drafter, batch 4 x 320
-tokens x 32 anchors of 16 slots on 2 CPU cores; the old step took ~4.7 s): the target forward
-(~1.7 s), the LM head over 49,152 tokens forwards and backwards (~1.4 s) and the drafter's
-dense masked attention over [context | all blocks] were most of it. So:
-
-- the target runs outside the step, once per sequence: its tap features are kept in a
-  `FeatureStore` (a bf16 memmap under the run dir) and later epochs only read them;
-- the loss scores a frequency-ranked subset of the vocabulary (FR-Spec, `vocab.py`), the same
-  restriction inference applies with `--draft-vocab`;
-- each block attends to the context and its own slots only (`forward.drafter_blocks`);
-- dense layers may run as bf16 products accumulated in float32 (`matmul_dtype`), with float32
-  master weights, norms and softmax.
-
-Only the drafter's parameters are differentiated; the embedding table, the LM-head rows and the
-features are step arguments (never closure constants XLA would fold into the executable).
+The loop feeds batches (target features computed once per row and kept in a `FeatureStore`), sets
+the learning rate from the schedule, keeps the weights' moving average and each row's misses (what
+the next visit's anchors prefer), validates along the decoding walk, checkpoints with orbax and
+exports the best step.
 """
 
 from __future__ import annotations
@@ -30,83 +19,23 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
 
 from bastion_jax.checkpoints import LoadedDrafter, Target
 from bastion_jax.training.data import TokenDataset, batch_indices
 from bastion_jax.training.features import FeatureStore, target_fingerprint
-from bastion_jax.training.forward import anchored_forward, matmul, target_features, teacher_logits
-from bastion_jax.training.objective import (Blocks, Metrics, Objective, block_loss, default_gamma, restrict_vocab,
-                                            sample_anchors)
+from bastion_jax.training.objective import Metrics, Objective, default_gamma
 from bastion_jax.training.optim import TrainConfig, learning_rate, optimizer, set_learning_rate
+from bastion_jax.training.step import ema_update, eval_step, features_step, train_step
 from bastion_jax.training.vocab import LossVocab, load_ranking, loss_vocab, rank_vocab, save_ranking
 from bastion_jax.training.walk import rows_per_call, walk, walk_runs
 
 
-def blocks_forward(drafter, embed: jax.Array, features: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
-                   key: jax.Array, obj: Objective, matmul_dtype: str = "float32") -> tuple[jax.Array, Blocks]:
-    """Hidden states [b, N, B-1, h] of slots 1..B-1 of every block of a batch, and the blocks.
-
-    embed: [V, h] the target's embedding table; features: [b, S, F] the rows' target taps."""
-    anchors, valid = sample_anchors(key, loss_mask, obj.num_anchors)  # [b, N]
-    return anchored_forward(drafter, embed, features, tokens, loss_mask, anchors, valid, obj, matmul_dtype)
-
-
-def _loss(params, drafter_def, vocab: LossVocab, embed, features, tokens, loss_mask, key, obj, matmul_dtype):
-    """features: [b, S, F] the drafter's taps, followed (with `obj.distill`) by the target's final
-    normed hidden states [b, S, h], the soft labels' source."""
-    drafter = nnx.merge(drafter_def, params)
-    final = None
-    if obj.distill:
-        h = embed.shape[-1]
-        features, final = features[..., :-h], features[..., -h:]
-    hidden, blocks = blocks_forward(drafter, embed, features, tokens, loss_mask, key, obj, matmul_dtype)
-    logits = matmul(hidden, vocab.head, jnp.dtype(matmul_dtype))  # [b, N, B-1, n_vocab] float32
-    teacher = None if final is None else teacher_logits(final, blocks.positions, vocab.head, jnp.dtype(matmul_dtype))
-    metrics = block_loss(logits, restrict_vocab(blocks, vocab.index), teacher, obj.distill)
-    return metrics.loss, metrics
-
-
-_STATIC = ("drafter_def", "obj", "tx", "matmul_dtype")
 # Held-out rows the teacher-forced validation reads, whatever the batch size (`Trainer.evaluate`).
 VAL_ROWS = 128
 
 
-@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("params", "opt_state"))
-def train_step(params, opt_state, vocab: LossVocab, embed, features, tokens, loss_mask, key, *, drafter_def,
-               obj: Objective, tx: optax.GradientTransformation, matmul_dtype: str):
-    """One AdamW step on a batch tokens/loss_mask [b, S] with target features [b, S, F]."""
-    grads, metrics = jax.grad(_loss, has_aux=True)(params, drafter_def, vocab, embed, features, tokens, loss_mask,
-                                                    key, obj, matmul_dtype)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, metrics
-
-
-@partial(jax.jit, donate_argnames=("ema",))
-def ema_update(ema, params, decay: jax.Array):
-    """The moving average of the weights one step on: ema + (1 - decay) (params - ema).
-
-    Why average: a run that continues a trained drafter first loses ground (fresh optimizer moments,
-    the warm-up to the peak rate: the held-out walk dipped ~1% early in every CPU pass from v14) and the
-    last step is one noisy point of the descent; the average starts at the starting weights and
-    moves with the run, so it keeps what the run gains and little of its noise."""
-    return jax.tree.map(lambda e, p: e + (1.0 - decay) * (p - e), ema, params)
-
-
 def _copy(tree):
     return jax.tree.map(lambda a: jnp.array(a, copy=True), tree)
-
-
-@partial(jax.jit, static_argnames=("drafter_def", "obj", "matmul_dtype"))
-def eval_step(params, vocab: LossVocab, embed, features, tokens, loss_mask, key, *, drafter_def, obj: Objective,
-              matmul_dtype: str):
-    return _loss(params, drafter_def, vocab, embed, features, tokens, loss_mask, key, obj, matmul_dtype)[1]
-
-
-@partial(jax.jit, static_argnames=("target_def", "tap_layers", "cache_dtype"))
-def _features(target_state, tokens, *, target_def, tap_layers, cache_dtype):
-    return target_features(nnx.merge(target_def, target_state), tokens, tap_layers, cache_dtype)
 
 
 def _mean(metrics: list[Metrics]) -> dict[str, float]:
@@ -152,7 +81,7 @@ class Trainer:
         self.drafter.config.check_pair(self.target.config)
         self.obj = Objective(block_size=d.block_size, num_anchors=self.cfg.num_anchors,
                              gamma=self.cfg.gamma or default_gamma(d.block_size), mask_token_id=d.mask_token_id,
-                             distill=self.cfg.distill)
+                             distill=self.cfg.distill, miss_weight=self.cfg.miss_weight)
         self.tx = optimizer(self.cfg)
         self.static = dict(drafter_def=self.drafter.graphdef, obj=self.obj, matmul_dtype=self.cfg.matmul_dtype)
         self.embed = self.target.state["embed_tokens"]["weight"][...]
@@ -181,7 +110,7 @@ class Trainer:
                             reuse=self.reuse_features)
 
     def _compute_features(self, tokens: np.ndarray, taps: tuple[int, ...]) -> jax.Array:
-        return _features(self.target.state, jnp.asarray(tokens), target_def=self.target.graphdef, tap_layers=taps,
+        return features_step(self.target.state, jnp.asarray(tokens), target_def=self.target.graphdef, tap_layers=taps,
                          cache_dtype=self.target.dtype)
 
     def _manager(self):
@@ -333,6 +262,9 @@ class Trainer:
         indices = batch_indices(len(train), self.cfg.batch_size, self.cfg.seed, start_step=step)
         if validate_start and val is not None and step == 0:
             self._validate(params, val, val_store, 0, "the starting weights")
+        # Where each row's chains missed on its last visit (`first_misses`); rebuilt over the first
+        # epoch of a resumed run (until then a row's anchors are uniform).
+        misses = np.zeros(train.tokens.shape, bool) if self.cfg.miss_weight != 1.0 else None
         history: list[Metrics] = []
         log_path = self.workdir / "metrics.jsonl"
         busy, positions, first = 0.0, 0, True
@@ -349,9 +281,12 @@ class Trainer:
                 done = max(done, floor + (1.0 - floor) * used)
             self._progress = min(done, 1.0)
             opt_state = set_learning_rate(opt_state, learning_rate(self.cfg, self._progress))
-            params, opt_state, m = train_step(params, opt_state, self.vocab, self.embed, store.get(idx),
-                                              jnp.asarray(train.tokens[idx]), jnp.asarray(train.loss_mask[idx]),
-                                              jax.random.fold_in(key, step), tx=self.tx, **self.static)
+            prefer = None if misses is None else jnp.asarray(misses[idx])
+            params, opt_state, m, seen = train_step(params, opt_state, self.vocab, self.embed, store.get(idx),
+                                                    jnp.asarray(train.tokens[idx]), jnp.asarray(train.loss_mask[idx]),
+                                                    jax.random.fold_in(key, step), prefer, tx=self.tx, **self.static)
+            if misses is not None:
+                misses[idx] = np.asarray(seen)  # what the next visit of these rows prefers
             if ema is not None:
                 ema = ema_update(ema, params, decay)
             n_pos = int(m.positions)  # waits for the step
