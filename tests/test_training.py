@@ -511,8 +511,9 @@ def test_first_misses_match_brute_force():
 
 
 def test_anchors_follow_the_last_visits_misses(pair, toy_data, tmp_path, monkeypatch):
-    """With `miss_weight`, each step hands back its rows' first misses and the next visit of those rows
-    draws its anchors preferring them; the run still learns. Without it the step gets no preference."""
+    """With `miss_weight`, the run first marks every row's first misses under its starting weights,
+    each step hands back its rows' misses and the next visit of those rows draws its anchors
+    preferring them. Without it the step gets no preference."""
     from bastion_jax.training import trainer as trainer_module
 
     target, drafter = pair
@@ -531,11 +532,18 @@ def test_anchors_follow_the_last_visits_misses(pair, toy_data, tmp_path, monkeyp
     Trainer(target, drafter, cfg, tmp_path / "w", log=lambda m: None).fit(train, progress=False)
     last = {}  # row tokens -> the misses its last visit handed back
     for prefer, tokens, loss_mask, seen in calls:
-        want = np.array([last.get(t.tobytes(), np.zeros(t.shape, bool)) for t in tokens])
-        np.testing.assert_array_equal(prefer, want)
+        if last:
+            np.testing.assert_array_equal(prefer, [last[t.tobytes()] for t in tokens])
+        assert prefer.any() and not (prefer & ~loss_mask).any()
         assert seen.any() and not (seen & ~loss_mask).any()
         last.update({t.tobytes(): m for t, m in zip(tokens, seen)})
-    assert not calls[0][0].any() and calls[1][0].any()
+    # The first visits prefer the misses of the starting weights, marked before the first step.
+    trainer = Trainer(target, drafter, cfg, tmp_path / "m", log=lambda m: None)
+    trainer.prepare(train)
+    marked = trainer.mark_misses(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), drafter.state), train,
+                                 trainer.feature_store(train, "train"), progress=False)
+    first = {t.tobytes(): m for t, m in zip(train.tokens, marked)}
+    np.testing.assert_array_equal(calls[0][0], [first[t.tobytes()] for t in calls[0][1]])
     Trainer(target, drafter, dataclasses_replace(cfg, miss_weight=1.0), tmp_path / "u", log=lambda m: None).fit(
         train, progress=False)
     assert calls[3][0] is None and calls[3][3] is None

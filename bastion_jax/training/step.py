@@ -99,6 +99,14 @@ def eval_step(params, vocab: LossVocab, embed, features, tokens, loss_mask, key,
                  dataclasses.replace(obj, miss_weight=1.0), matmul_dtype)[1][0]
 
 
+@partial(jax.jit, static_argnames=("drafter_def", "obj", "matmul_dtype"))
+def misses_step(params, vocab: LossVocab, embed, features, tokens, loss_mask, key, *, drafter_def, obj: Objective,
+                matmul_dtype: str):
+    """`first_misses` [b, S] of a batch's uniform anchors under `params`, without a gradient: what a
+    run marks before its first step, so that every row's first visit already prefers its misses."""
+    return _loss(params, drafter_def, vocab, embed, features, tokens, loss_mask, key, obj, matmul_dtype)[1][1]
+
+
 @partial(jax.jit, static_argnames=("target_def", "tap_layers", "cache_dtype"))
 def features_step(target_state, tokens, *, target_def, tap_layers, cache_dtype):
     """The target's tap features for token rows [b, S] (computed once per row; `FeatureStore` keeps them)."""

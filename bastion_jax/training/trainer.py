@@ -25,7 +25,7 @@ from bastion_jax.training.data import TokenDataset, batch_indices
 from bastion_jax.training.features import FeatureStore, target_fingerprint
 from bastion_jax.training.objective import Metrics, Objective, default_gamma
 from bastion_jax.training.optim import TrainConfig, learning_rate, optimizer, set_learning_rate
-from bastion_jax.training.step import ema_update, eval_step, features_step, train_step
+from bastion_jax.training.step import ema_update, eval_step, features_step, misses_step, train_step
 from bastion_jax.training.vocab import LossVocab, load_ranking, loss_vocab, rank_vocab, save_ranking
 from bastion_jax.training.walk import rows_per_call, walk, walk_runs
 
@@ -228,6 +228,25 @@ class Trainer:
                  + (f" | decoding-walk tau {ev['walk_tau']:.3f}" if "walk_tau" in ev else ""))
         self._note_validation(params, ev)
 
+    def mark_misses(self, params, data: TokenDataset, store: FeatureStore, progress: bool = True) -> np.ndarray:
+        """[rows, S] bool: the first misses of every row's uniform anchors under `params` (one forward
+        per batch, no gradient; computes the rows' features if not stored yet). Without it a row's
+        first visit, all of a run shorter than an epoch, would draw uniform anchors."""
+        from tqdm import tqdm
+
+        t0, rows, b = time.perf_counter(), len(data), self.cfg.batch_size
+        out = np.zeros(data.tokens.shape, bool)
+        key = jax.random.key(self.cfg.seed + 2)
+        for i in tqdm(range(math.ceil(rows / b)), disable=not progress, desc="marking misses", unit="batch"):
+            idx = np.arange(i * b, (i + 1) * b) % rows  # the last batch wraps: one compiled shape
+            out[idx] = np.asarray(misses_step(params, self.vocab, self.embed, store.get(idx),
+                                              jnp.asarray(data.tokens[idx]), jnp.asarray(data.loss_mask[idx]),
+                                              jax.random.fold_in(key, i), **self.static))
+        store.flush()
+        self.log(f"marked the first misses of {rows} rows with the starting weights "
+                 f"({out.sum() / max(1, rows):.1f} per row) in {time.perf_counter() - t0:.0f} s")
+        return out
+
     def fit(self, train: TokenDataset, val: TokenDataset | None = None, progress: bool = True,
             max_seconds: float | None = None, validate_start: bool = False) -> LoadedDrafter:
         """Run to `cfg.steps` (resuming if checkpoints exist); returns the trained drafter (fp32).
@@ -262,9 +281,9 @@ class Trainer:
         indices = batch_indices(len(train), self.cfg.batch_size, self.cfg.seed, start_step=step)
         if validate_start and val is not None and step == 0:
             self._validate(params, val, val_store, 0, "the starting weights")
-        # Where each row's chains missed on its last visit (`first_misses`); rebuilt over the first
-        # epoch of a resumed run (until then a row's anchors are uniform).
-        misses = np.zeros(train.tokens.shape, bool) if self.cfg.miss_weight != 1.0 else None
+        # Where each row's chains missed on its last visit (`first_misses`), marked first with the
+        # weights this call starts from (a resumed run marks with its checkpoint's).
+        misses = None if self.cfg.miss_weight == 1.0 else self.mark_misses(params, train, store, progress)
         history: list[Metrics] = []
         log_path = self.workdir / "metrics.jsonl"
         busy, positions, first = 0.0, 0, True
