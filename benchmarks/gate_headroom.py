@@ -101,31 +101,50 @@ def acceptance_table(trees, buckets: tuple[int, ...], slots: int, prompt: list[i
     return accepted, surrogate
 
 
-def tree_pass(engine):
-    """The jitted pass tokens [1, S], anchors [N] -> the best-first tree (engine.top_k wide, max bucket
-    nodes) drafted at every anchor: target features, then drafter blocks at all anchors at once."""
+def lattice_pass(engine):
+    """A traceable function tokens [1, S], anchors [N] -> the drafter's log-distributions [N, B-1, draft
+    vocab] of the block anchored at each position (target features, then every block at once: the same
+    drafter math as decoding)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from bastion_jax.speculative import head_logits
     from bastion_jax.training.forward import drafter_blocks, target_features
-    from bastion_jax.tree import build_tree
 
     target, drafter, vocab = engine.target, engine.drafter, engine.draft_vocab
     tm, dm = nnx.merge(target.graphdef, target.state), nnx.merge(drafter.graphdef, drafter.state)
     cfg = drafter.config
-    taps, block, nodes = tuple(cfg.target_layer_ids), cfg.block_size, max(engine.buckets)
+    taps, block = tuple(cfg.target_layer_ids), cfg.block_size
 
-    @jax.jit
-    def trees(tokens, anchors):  # tokens [1, S], anchors [N]
+    def lattice(tokens, anchors):  # tokens [1, S], anchors [N]
         feats = target_features(tm, tokens, taps, target.dtype)  # [1, S, F]
         k = jnp.arange(block)
         ids = jnp.where(k == 0, tokens[0, anchors][:, None], cfg.mask_token_id)  # [N, B]
         hidden = drafter_blocks(dm, tm.embed_tokens(ids)[None], (anchors[:, None] + k)[None], anchors[None],
                                 jnp.ones((1, anchors.shape[0]), bool), feats)[0, :, 1:]  # [N, B-1, h]
-        lp = jax.nn.log_softmax(head_logits(tm, hidden, vocab), axis=-1)  # [N, B-1, draft vocab]
-        ids_map = vocab.ids if vocab is not None else None
+        return jax.nn.log_softmax(head_logits(tm, hidden, vocab), axis=-1)  # [N, B-1, draft vocab]
+
+    return lattice
+
+
+def tree_pass(engine, transform=None):
+    """The jitted pass tokens [1, S], anchors [N] -> the best-first tree (engine.top_k wide, max bucket
+    nodes) drafted at every anchor. `transform` (traceable, [N, B-1, V] -> same) rescores the lattice
+    before the tree is built (an experiment's calibration; None: the drafter's log-probs as decoding
+    uses them)."""
+    import jax
+
+    from bastion_jax.tree import build_tree
+
+    lattice, nodes = lattice_pass(engine), max(engine.buckets)
+    ids_map = engine.draft_vocab.ids if engine.draft_vocab is not None else None
+
+    @jax.jit
+    def trees(tokens, anchors):  # tokens [1, S], anchors [N]
+        lp = lattice(tokens, anchors)
+        if transform is not None:
+            lp = transform(lp)
         return jax.vmap(lambda r, l: build_tree(r, l, nodes, engine.top_k, ids_map))(tokens[0, anchors], lp)
 
     return trees
