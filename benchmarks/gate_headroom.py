@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import numpy as np
 
 from bastion_jax.acceptance import STANDARD_SETS, PromptError, read_prompts, resolve_prompt_file
 from bastion_jax.cli import fail, stderr_log
-from benchmarks.report import commit
+from benchmarks.report import commit, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -340,13 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_tables:
         save_tables(args.save_tables, buckets, saved)
         log(f"wrote {len(saved)} tables to {args.save_tables}")
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "sets": report}, indent=2) + "\n")
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    if not args.quiet:
-        print("\n".join(lines))
-        print(f"wrote {out / name}.json and .md")
+    write_results(args.out_dir, name, {"meta": meta, "sets": report}, "\n".join(lines), args.quiet)
     return 0
 
 

@@ -4,8 +4,21 @@ measured in the same run, and the best fixed budget in hindsight."""
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 from pathlib import Path
+
+def write_results(out_dir, name: str, record: dict, markdown: str, quiet: bool = False) -> None:
+    """`record` as <out_dir>/<name>.json and `markdown` as .md beside it (the benchmarks' results files);
+    the table is also printed unless `quiet`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown if markdown.endswith("\n") else markdown + "\n")
+    if not quiet:
+        print(markdown, end="" if markdown.endswith("\n") else "\n")
+        print(f"wrote {out / name}.json and .md")
+
 
 def commit() -> str:
     """The checkout's short commit, with "+dirty" when tracked files differ from it (a device run of

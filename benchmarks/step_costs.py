@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 from bastion_jax.cli import fail, stderr_log
-from benchmarks.report import commit
+from benchmarks.report import commit, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"verify_over_forward": 1.10, "draft_over_ar": 0.35, "host_frac": 0.03, "cache_ratio": 1.15}
@@ -131,14 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or f"{meta['backend']}-{s.label}-step-costs"
     meta["name"] = name
     summary = summarise(profiles)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "targets": TARGETS, **summary}, indent=2) + "\n")
-    text = markdown(meta, summary)
-    (out / f"{name}.md").write_text(text)
-    if not args.quiet:
-        print(text, end="")
-        print(f"wrote {out / name}.json and .md")
+    write_results(args.out_dir, name, {"meta": meta, "targets": TARGETS, **summary}, markdown(meta, summary),
+                  args.quiet)
     return 0
 
 
