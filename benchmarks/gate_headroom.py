@@ -62,6 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- the acceptance table ---------------------------------------------------------------------------
 
+def pass_inputs(seq: np.ndarray, anchors: np.ndarray, slots: int):
+    """(tokens [1, S], anchors [slots]) for a pass: the row padded to a multiple of 256 tokens and the
+    anchors to `slots` (the last repeated), so that one compile serves rows of many lengths."""
+    import jax.numpy as jnp
+
+    padded = np.zeros(-(-len(seq) // 256) * 256, np.int32)
+    padded[:len(seq)] = seq
+    anc = np.full(slots, anchors[-1], np.int32)
+    anc[:len(anchors)] = anchors
+    return jnp.asarray(padded)[None], jnp.asarray(anc)
+
+
 def acceptance_table(trees, buckets: tuple[int, ...], slots: int, prompt: list[int], answer: list[int]
                      ) -> tuple[np.ndarray, np.ndarray]:
     """(accepted [T, n_buckets], surrogate [T, n_buckets]) of the trees a decode step may verify, T =
@@ -69,18 +81,11 @@ def acceptance_table(trees, buckets: tuple[int, ...], slots: int, prompt: list[i
     step's tree grows from the last committed token). `trees` is `tree_pass`'s function and `slots`
     the anchors it takes (at least T)."""
     import jax
-    import jax.numpy as jnp
 
     seq = np.asarray(prompt + answer, np.int32)
     n = len(answer) - 1
     anchors = np.arange(len(prompt), len(seq) - 1, dtype=np.int32)  # answer[t]'s position
-    # Padded shapes (a multiple of 256 tokens, the answer budget of anchors) compile once per set.
-    s = -(-len(seq) // 256) * 256
-    padded = np.zeros(s, np.int32)
-    padded[:len(seq)] = seq
-    anc = np.full(max(n, slots), anchors[-1], np.int32)
-    anc[:n] = anchors
-    tree = trees(jnp.asarray(padded)[None], jnp.asarray(anc))
+    tree = trees(*pass_inputs(seq, anchors, max(n, slots)))
     tokens, parents, depths, log_probs = (np.asarray(x)[:n] for x in jax.device_get(
         (tree.tokens, tree.parents, tree.depths, tree.log_probs)))  # [T, nodes] each
     # Node j is accepted when its parent is and it equals the greedy token at its depth (parents

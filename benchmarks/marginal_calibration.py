@@ -73,9 +73,9 @@ def conditional_candidates(top_lp: np.ndarray, top_ids: np.ndarray, truth: np.nd
     its parent was accepted, that node is accepted."""
     hit = top_ids == truth[:, :, None]  # [N, D, K]
     found = hit.any(axis=2)  # [N, D]
-    parent_on_text = np.concatenate([np.ones_like(found[:, :1]), np.cumprod(found[:, :-1], axis=1)], axis=1)
-    return [(top_lp[parent_on_text[:, d].astype(bool), d].ravel(), hit[parent_on_text[:, d].astype(bool), d].ravel())
-            for d in range(top_lp.shape[1])]
+    parent_on_text = np.logical_and.accumulate(np.concatenate([np.ones_like(found[:, :1]), found[:, :-1]], axis=1),
+                                               axis=1)  # [N, D]
+    return [(top_lp[on, d].ravel(), hit[on, d].ravel()) for d, on in enumerate(parent_on_text.T)]
 
 
 def _logit(lp, xp=np):
@@ -115,7 +115,8 @@ def platt(cal):
 
 # -- main -------------------------------------------------------------------------------------------
 
-def _fit_rows(path: str, n: int, seed: int) -> list[np.ndarray]:
+def _fit_rows(path: str, n: int, seed: int) -> list[tuple[int, np.ndarray]]:
+    """(prompt length, prompt + response ids up to 512 tokens) of `n` temperature-0 rows drawn with `seed`."""
     from bastion_jax.training.data import read_packed
 
     rows = [r for r in read_packed(path) if r["temperature"] == 0.0]
@@ -129,9 +130,8 @@ def _fit_rows(path: str, n: int, seed: int) -> list[np.ndarray]:
 def reliability(engine, rows, k: int, log) -> list[tuple[np.ndarray, np.ndarray]]:
     """`conditional_candidates` pooled over the rows' response anchors (chunks of 256 anchors)."""
     import jax
-    import jax.numpy as jnp
 
-    from benchmarks.gate_headroom import lattice_pass
+    from benchmarks.gate_headroom import lattice_pass, pass_inputs
 
     lattice = lattice_pass(engine)
     ids_map = engine.draft_vocab.ids if engine.draft_vocab is not None else None
@@ -145,13 +145,9 @@ def reliability(engine, rows, k: int, log) -> list[tuple[np.ndarray, np.ndarray]
     pooled: list[list] = [[[], []] for _ in range(depth)]
     for j, (plen, seq) in enumerate(rows):
         anchors = np.arange(plen, len(seq) - depth, dtype=np.int32)
-        padded = np.zeros(-(-len(seq) // 256) * 256, np.int32)
-        padded[:len(seq)] = seq
         for c in range(0, len(anchors), 256):
             a = anchors[c:c + 256]
-            slots = np.full(256, a[-1], np.int32)
-            slots[:len(a)] = a
-            v, ids = (np.asarray(x)[:len(a)] for x in top(jnp.asarray(padded)[None], jnp.asarray(slots)))
+            v, ids = (np.asarray(x)[:len(a)] for x in top(*pass_inputs(seq, a, 256)))
             truth = np.stack([seq[a + d] for d in range(1, depth + 1)], axis=1)  # [n, D]
             for d, (lp, hit) in enumerate(conditional_candidates(v, ids, truth)):
                 pooled[d][0].append(lp)

@@ -8,6 +8,7 @@ import json
 import subprocess
 from pathlib import Path
 
+
 def write_results(out_dir, name: str, record: dict, markdown: str, quiet: bool = False) -> None:
     """`record` as <out_dir>/<name>.json and `markdown` as .md beside it (the benchmarks' results files);
     the table is also printed unless `quiet`."""
