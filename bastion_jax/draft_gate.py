@@ -18,7 +18,7 @@ the sums, not a mean of per-step ratios: accepted / surrogate is 0 for most smal
 for a few, so a mean of (clipped) ratios read a calibrated drafter as rho ~ 0.6-0.8, and the gate
 then drafted too little and chose too small trees. Slow, because rho measures the drafter, not the
 text (the tree's own curve carries the text's difficulty). The gate drafts next iff
-R_d > (1 + margin) R_0.
+R_d > (1 + margin) R_0, or drafting pays as an option (below).
 
 Measured (`benchmarks/gate_headroom.py --save-tables`: SmolLM2 + drafter v11, CPU step prices,
 policies replayed on the same acceptance tables): the surrogate's per-bucket mean is within ~10% of
@@ -28,6 +28,22 @@ before) raised the replayed speed over AR from 1.10x to 1.12x on five developmen
 alpaca / qa / sum, gsm8k and code_alpaca training prompts; geometric mean), and from 1.06x to 1.10x
 on the evaluation sets (gsm8k 1.11 -> 1.23, mbpp 1.17 -> 1.25, mt_bench 0.99 -> 0.98). Each replayed
 answer starts a fresh gate; the engine keeps rho's sums across requests.
+
+Drafting also buys an option. A draft costs (T(root, draft) - T(root)) / T(root) of an AR step, and
+its tree is then verified only if it pays, so what drafting is worth is the mean over trees of what
+each would gain, not what the mean tree would: a text where one tree in eight promises 3 accepted
+drafts and the rest none has a mean curve that does not pay, yet drafting pays there. In AR-step
+units (time valued at the AR rate), a tree with curve a, verified at its best bucket, gains over a
+root step that drafts
+
+    g(a) = max(0, max_b [(rho a(b) + 1) - T(b, c, draft) / T(root)] - (1 - T(root, draft) / T(root)))
+
+and the gate also drafts when the mean of g over the last `window` trees' curves exceeds the
+draft's price (`option_pays`). Replayed on saved acceptance tables (drafter v14, CPU step prices,
+lookup off, geometric means): evaluation sets 1.155x -> 1.167x AR (humaneval 1.087 -> 1.128, mbpp
+1.326 -> 1.362, math500 1.066 -> 1.055), development sets (EAGLE alpaca / qa / sum) 1.020x -> 1.026x;
+on the same tables priced by a calibration taken on a busy machine 1.047x -> 1.054x and
+1.008x -> 1.006x.
 
 A step in hand sharpens A_bar: a drafted tree's own curve, and after a step that did not draft the
 context lookup's chain curve (`lookup.chain_curve`, computed on device without the drafter: a long
@@ -110,12 +126,32 @@ class DraftGate:
     # Per chain bucket b: (realised accepted, predicted A(b), verified) of held chains verified at b:
     # the chain's own rho (`chain_rho`), learnt like the drafter's.
     chain_sums: dict[int, tuple[float, float, int]] = dataclasses.field(default_factory=dict)
+    window: int = 16  # trees whose curves price the option of drafting (`option_pays`; 0: no option)
+    recent: list[np.ndarray] = dataclasses.field(default_factory=list)  # their curves [n_buckets] each
+
+    def memory(self) -> dict:
+        """What carries over to the engine's next request (`restore`): rho's sums, A_bar and the recent
+        curves, the probe interval and the chains' rho."""
+        return {"calibration": (self.accepted_ema, self.surrogate_ema, self.verified), "a_bar": self.a_bar,
+                "recent": list(self.recent), "probe": self.probe, "chains": dict(self.chain_sums)}
+
+    def restore(self, memory: dict) -> None:
+        """Take up what an earlier request's gate learnt (`memory`; missing keys keep this gate's values).
+        The probe interval too: a request whose first tree or lookup chain pays drafts at once whatever
+        the interval (`use_tree`, `root_then`), while text like the last request's is not probed from 4
+        again."""
+        self.accepted_ema, self.surrogate_ema, self.verified = memory.get(
+            "calibration", (self.accepted_ema, self.surrogate_ema, self.verified))
+        self.a_bar, self.recent = memory.get("a_bar", self.a_bar), list(memory.get("recent", self.recent))
+        self.probe = memory.get("probe", self.probe)
+        self.chain_sums = dict(memory.get("chains", self.chain_sums))
 
     def observe_tree(self, curve: np.ndarray) -> None:
         """A fresh tree arrived: curve [n_buckets] = A(b) (of a batch: the least over the rows that may end
         it, `controller.batch_curve`)."""
         curve = np.asarray(curve, np.float64)
         self.a_bar = curve if self.a_bar is None else (1 - self.rate) * self.a_bar + self.rate * curve
+        self.recent = [*self.recent, curve][-self.window:] if self.window > 0 else []
 
     @property
     def rho(self) -> float:
@@ -176,6 +212,18 @@ class DraftGate:
         """R_d > (1 + margin) R_0: drafting beats plain AR steps at this context, by the margin."""
         return self._beats_ar(self.best(context, curve)[1], context)
 
+    def option_pays(self, context: int) -> bool:
+        """Drafting pays as an option: the mean over the recent trees' curves of what each would gain,
+        verified at its best bucket, over a root step that drafts (in AR steps, `g` of the module
+        docstring) exceeds the draft's price (T(root, draft) - T(root)) / T(root). False before any tree."""
+        if not self.recent:
+            return False
+        ar, ar_draft = self.step_time(0, context, False), self.step_time(0, context, True)
+        cost = np.array([self.step_time(b, context, True) for b in self.buckets]) / ar  # [n_buckets]
+        value = (self.rho * np.stack(self.recent) + 1.0 - cost).max(axis=1)  # [trees]: best verify, AR steps
+        gain = np.maximum(value - (1.0 - ar_draft / ar), 0.0)
+        return float(gain.mean()) > (ar_draft - ar) / ar
+
     def use_tree(self, context: int, curve: np.ndarray | None = None) -> bool:
         """With a drafted tree in hand (its curve [n_buckets]): verify it (a tree step, which drafts
         again) or not. A probe's tree is also verified when its own curve pays at rho >= 1: only a
@@ -190,9 +238,9 @@ class DraftGate:
 
     def root_then(self, context: int, hint: np.ndarray | None = None) -> int:
         """`then` of a root step: DRAFT when drafting pays (with `hint`, the lookup chain's curve after
-        the last step read, if any) or a probe is due, FLUSH when the feature buffer could not take
+        the last step read, if any), by the mean curve or as an option (`option_pays`), or a probe is due, FLUSH when the feature buffer could not take
         another held step, else HOLD. Call `record` once the step returned."""
-        if self.pays(context, hint):
+        if self.pays(context, hint) or self.option_pays(context):
             self.probe = self.min_probe
             return DRAFT
         if self.since_draft + 1 >= self.probe:

@@ -272,16 +272,8 @@ class Engine:
                 chains = exe.chains(batch, cache_len, sampling)
                 gate = DraftGate(self.buckets, latency.step_time, tree_decoding.pending_slots(self.block_size),
                                  self.block_size, held_rows=max(chains, default=1))
-                # What the gate learnt of this drafter's acceptance carries over to the next request.
-                memory = self._gate_memory.setdefault(batch, {})
-                gate.accepted_ema, gate.surrogate_ema, gate.verified = memory.get(
-                    "calibration", (gate.accepted_ema, gate.surrogate_ema, gate.verified))
-                gate.a_bar = memory.get("a_bar")
-                # So does how long drafting has been failing (the probe interval): a request whose first
-                # tree or lookup chain pays drafts at once whatever the interval (`DraftGate.use_tree`,
-                # `root_then`), while text like the last request's is not probed from 4 again.
-                gate.probe = memory.get("probe", gate.probe)
-                gate.chain_sums = dict(memory.get("chains", {}))
+                # What the gate learnt of this drafter and text carries over to the next request.
+                gate.restore(self._gate_memory.setdefault(batch, {}))
         else:
             prefill, step = (exe.ar if policy.kind == "ar" else exe.chain)(batch, bucket, cache_len, sampling)
         # Every executable this request may use runs once now, not inside the timed request.
@@ -390,8 +382,7 @@ class Engine:
         stats.compilations += self.compilations - before
         stats.compilations_after_warmup += compile_counter.compilations() - compiled_before_loop
         if policy.kind == "bastion" and gate is not None:
-            self._gate_memory[batch].update(calibration=(gate.accepted_ema, gate.surrogate_ema, gate.verified),
-                                            a_bar=gate.a_bar, probe=gate.probe, chains=gate.chain_sums)
+            self._gate_memory[batch] = gate.memory()
             stats.chain_steps += gate.chained
         if controller is not None:
             for b, n in controller.histogram.items():

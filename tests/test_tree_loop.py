@@ -249,6 +249,45 @@ def test_a_strong_tree_or_lookup_hint_makes_the_gate_draft():
     assert gate.root_then(10, np.array([0.2])) == HOLD and gate.a_bar[0] == 0.5
 
 
+@pytest.mark.parametrize("draft_price, drafts", [(0.1, True), (0.27, True), (0.3, False)])
+def test_the_gate_drafts_for_the_option_of_a_rare_good_tree(draft_price, drafts):
+    """One recent tree in eight promised 3 accepted drafts, the rest none. A_bar (0.25) does not pay
+    ((0.25 + 1) / 2 < 1 AR step), but a draft buys the option to verify only the good tree, which gains
+    (3 + 1 - 2) - (1 - (1 + price)) AR steps over a root step that drafts: (2 + price) / 8 per draft
+    against the draft's price. It pays at price 0.1 and 0.27 (0.284 > 0.27; without the root step's
+    own draft in the comparison it would not: 0.25), not at 0.3 (0.2875 < 0.3)."""
+    step_time = lambda b, c, draft: (1.0 + draft_price * draft) if b == 0 else 2.0  # noqa: E731
+    gate = DraftGate((4,), step_time, pending_slots=64, block_size=4)
+    gate.probe = 100  # no probe due
+    for a in [3.0] + [0.0] * 7:
+        gate.observe_tree(np.array([a]))
+    assert not gate.pays(10)  # the mean-curve rule alone holds
+    assert gate.option_pays(10) is drafts
+    assert (gate.root_then(10) == DRAFT) is drafts
+    gate.rho = 0.0  # a drafter whose promises never come true: no option is worth a draft
+    assert not gate.option_pays(10)
+    window = DraftGate((4,), step_time, pending_slots=64, block_size=4, window=4)
+    for a in [3.0] + [0.0] * 7:
+        window.observe_tree(np.array([a]))
+    assert len(window.recent) == 4 and not window.option_pays(10)  # the good tree fell out of the window
+
+
+def test_the_gates_memory_round_trips():
+    """`memory` then `restore` hands a later request's gate everything the earlier one learnt."""
+    step_time = lambda b, c, draft: 1.0 if b == 0 else 2.0  # noqa: E731
+    old = DraftGate((4, 8), step_time, pending_slots=64, block_size=8)
+    for a in ([1.0, 2.0], [0.5, 0.7]):
+        old.observe_tree(np.array(a))
+    old.observe_verify(8, 2.0, 1.0)
+    old.observe_chain(4, 1.5, 0.5)
+    old.probe = 16
+    new = DraftGate((4, 8), step_time, pending_slots=64, block_size=8)
+    new.restore(old.memory())
+    assert new.rho == old.rho and new.verified == 1 and new.probe == 16
+    assert np.array_equal(new.a_bar, old.a_bar) and len(new.recent) == 2
+    assert new.chain_rho(4) == old.chain_rho(4) != 1.0
+
+
 def test_held_lookup_chains_are_verified_without_drafting(monkeypatch):
     """After root steps that hold, a lookup chain worth verifying (the curve a held step returns) is
     verified by a tree step that holds too (`chains`), chosen on the chain just read: no root step
