@@ -43,8 +43,9 @@ def calibration_path(engine, model: str):
 
 
 def load_or_calibrate(engine, model: str, cache_len: int, sampling, skip: bool, log, prompt_bucket: int = 16,
-                      batch: int = 1) -> str:
-    """Reuse the calibration saved for exactly this setting, else profile now (unless `skip`), from a
+                      batch: int = 1, refresh: bool = False) -> str:
+    """Reuse the calibration saved for exactly this setting (unless `refresh`: `--recalibrate`, for a
+    saved one taken while the machine was busy), else profile now (unless `skip`), from a
     prefill at `prompt_bucket` (the coming request's, so that its prefill compiles once), with
     `batch` rows: the engine's latency model then prices steps of that many rows (a batch's steps
     cost other multiples of an AR step than one row's, and the key holds the batch size).
@@ -53,7 +54,9 @@ def load_or_calibrate(engine, model: str, cache_len: int, sampling, skip: bool, 
     engine.latency = engine.latency.for_batch(batch)
     path = calibration_path(engine, model)
     dtype = engine.target.dtype.name
-    if engine.latency.load(path, model, dtype, engine.top_k):
+    if skip and refresh:
+        raise ValueError("--recalibrate profiles and --no-calibrate does not: give one of them")
+    if not refresh and engine.latency.load(path, model, dtype, engine.top_k):
         log(f"latency calibration: reused {path}")
         return "reused"
     if skip:

@@ -42,8 +42,8 @@ and the gate also drafts when the mean of g over the last `window` trees' curves
 draft's price (`option_pays`). Replayed on saved acceptance tables (drafter v14, CPU step prices,
 lookup off, geometric means): evaluation sets 1.155x -> 1.167x AR (humaneval 1.087 -> 1.128, mbpp
 1.326 -> 1.362, math500 1.066 -> 1.055), development sets (EAGLE alpaca / qa / sum) 1.020x -> 1.026x;
-on the same tables priced by a calibration taken on a busy machine 1.047x -> 1.054x and
-1.008x -> 1.006x.
+on the same tables priced by a skewed calibration (most likely taken on a busy machine) 1.047x ->
+1.054x and 1.008x -> 1.006x (`benchmarks/results/cpu-smollm2-method-probes.md`, section 8).
 
 A step in hand sharpens A_bar: a drafted tree's own curve, and after a step that did not draft the
 context lookup's chain curve (`lookup.chain_curve`, computed on device without the drafter: a long

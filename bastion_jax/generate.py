@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-calibrate", action="store_true", help="bastion: do not profile at warm-up (a saved "
                    "calibration for this exact setting is still used; else the roofline, corrected online); "
                    "never writes a calibration")
+    p.add_argument("--recalibrate", action="store_true", help="bastion: profile at warm-up even when a calibration "
+                   "is saved for this setting, and save it over the old one (one taken while the machine was busy "
+                   "prices steps unevenly, and bastion then drafts less than it should)")
     p.add_argument("--block-size", type=int, help=f"block size of a --drafter random (default {DEFAULT_BLOCK_SIZE}; "
                    "a loaded drafter has its own)")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="maximum new tokens per prompt (default 256)")
@@ -79,6 +82,8 @@ def load_models(args, log):
         raise ValueError("--block-size only applies to --drafter random (a loaded drafter has its own block size)")
     if args.tree_top_k < 1:
         raise ValueError(f"--tree-top-k must be >= 1 (drafter candidates per block position), got {args.tree_top_k}")
+    if args.recalibrate and args.no_calibrate:
+        raise ValueError("--recalibrate profiles and --no-calibrate does not: give one of them")
     t0 = time.perf_counter()
     path = args.target or default_target_dir(verbose=not args.quiet)
     target = load_target(path, resolve_dtype(args.dtype))
@@ -192,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             model = calibration_model(target, drafter, engine.draft_vocab, lookup=engine.lookup is not None,
                                       datastore=engine.datastore)
             load_or_calibrate(engine, model, cache_len, sampling, args.no_calibrate, log,
-                              prefill_bucket(max(len(x) for x in ids), cache_len), batch=len(ids))
+                              prefill_bucket(max(len(x) for x in ids), cache_len), batch=len(ids),
+                              refresh=args.recalibrate)
         gen = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, max_len=cache_len)
         if args.compare_ar:
             # Both modes compile and run once on these prompts before either is timed.

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixed", default="4,8,16", help="fixed:N sizes to replay (must be buckets)")
     p.add_argument("--no-calibrate", action="store_true", help="price steps with a saved calibration or else the "
                    "roofline, profiling nothing (tau columns do not depend on prices)")
+    p.add_argument("--recalibrate", action="store_true", help="profile the step prices now and save them over a "
+                   "saved calibration (one taken on a busy machine skews every policy's replay)")
     p.add_argument("--name", help="results file name (default <backend>-smollm2-gate-headroom)")
     p.add_argument("--out-dir", default=str(RESULTS))
     p.add_argument("--save-tables", help="also write every answer's acceptance table and step prices to this .npz "
@@ -295,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(target, tokenizer, drafter=drafter, buckets=buckets, lookup=None,
                         draft_vocab=resolve_draft_vocab(target, drafter, "auto"))
         model = calibration_model(target, drafter, engine.draft_vocab, lookup=False)
-        load_or_calibrate(engine, model, 1024, SamplingConfig(), args.no_calibrate, log)
+        load_or_calibrate(engine, model, 1024, SamplingConfig(), args.no_calibrate, log, refresh=args.recalibrate)
         trees = tree_pass(engine)
         sets = {Path(resolve_prompt_file(s)).name.split(".")[0]: read_prompts(resolve_prompt_file(s), args.max_prompts)
                 for s in args.prompts}
