@@ -142,7 +142,8 @@ class DraftGate:
         again."""
         self.accepted_ema, self.surrogate_ema, self.verified = memory.get(
             "calibration", (self.accepted_ema, self.surrogate_ema, self.verified))
-        self.a_bar, self.recent = memory.get("a_bar", self.a_bar), list(memory.get("recent", self.recent))
+        self.a_bar = memory.get("a_bar", self.a_bar)
+        self.recent = list(memory.get("recent", self.recent))[-self.window:] if self.window > 0 else []
         self.probe = memory.get("probe", self.probe)
         self.chain_sums = dict(memory.get("chains", self.chain_sums))
 

@@ -286,6 +286,9 @@ def test_the_gates_memory_round_trips():
     assert new.rho == old.rho and new.verified == 1 and new.probe == 16
     assert np.array_equal(new.a_bar, old.a_bar) and len(new.recent) == 2
     assert new.chain_rho(4) == old.chain_rho(4) != 1.0
+    short = DraftGate((4, 8), step_time, pending_slots=64, block_size=8, window=1)
+    short.restore(old.memory())  # a gate with a shorter window keeps only the latest curves
+    assert len(short.recent) == 1 and np.array_equal(short.recent[0], [0.5, 0.7])
 
 
 def test_held_lookup_chains_are_verified_without_drafting(monkeypatch):
