@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=positive_int, help="drafter layers (default 2; with --init: the init's own, and a larger "
                    "N grows it: copies of its last layer whose output projections start at zero, so the deeper "
                    "drafter starts out drafting exactly as the init)")
-    t.add_argument("--num-taps", type=int, help="target layers tapped for features (default: max(layers, 3))")
+    t.add_argument("--num-taps", type=positive_int, help="target layers tapped for features (default: max(layers, "
+                   "3); with --init: the init's own, and a larger N whose DFlash taps contain them widens it, the new "
+                   "taps' fc columns starting at zero)")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--intermediate-size", type=int, help="drafter MLP width (default: the target's)")
     t.add_argument("--mask-token-id", type=int, help="token whose embedding marks masked slots (default: vocab-1)")
@@ -220,7 +222,7 @@ def run_train(args, target, log) -> None:
 
     from bastion_jax.checkpoints import load_drafter, random_drafter
     from bastion_jax.training import (TokenDataset, TrainConfig, Trainer, grow, init_from_target, load_ranking,
-                                      save_ranking)
+                                      save_ranking, widen_taps)
     from bastion_jax.checkpoints.dflash import export_zlab
 
     missing = [d for d in args.reuse_features if not Path(d).is_dir()]
@@ -231,6 +233,10 @@ def run_train(args, target, log) -> None:
         raise ValueError(f"--resume: no checkpoint to continue in {checkpoints}")
     if args.init and args.init_from_target:
         raise ValueError("--init and --init-from-target both choose the starting weights; pass one")
+    fixed = [f for f, v in (("--intermediate-size", args.intermediate_size), ("--mask-token-id", args.mask_token_id))
+             if v is not None]
+    if args.init and fixed:
+        raise ValueError(f"{fixed[0]} sets a new drafter's shape; an --init drafter keeps its own")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, num_anchors=args.anchors,
                       lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
                       max_grad_norm=args.max_grad_norm, gamma=args.gamma, seed=args.seed, log_every=args.log_every,
@@ -246,9 +252,11 @@ def run_train(args, target, log) -> None:
     if args.init:
         # unrolled layers: the trainer's checkpoints and warm start are per layer on every backend
         drafter = load_drafter(args.init, target.config, jnp.float32, scan_layers=False)
-        grown_from = drafter.config.num_hidden_layers
+        grown_from = (drafter.config.num_hidden_layers, drafter.config.target_layer_ids)
         if args.layers is not None:
             drafter = grow(drafter, args.layers)
+        if args.num_taps is not None:
+            drafter = widen_taps(drafter, args.num_taps)
     else:
         dcfg = drafter_config(target.config, args)
         dcfg.check_pair(target.config)
@@ -264,8 +272,10 @@ def run_train(args, target, log) -> None:
     t0 = time.perf_counter()
     ranking = load_ranking(Path(args.init)) if args.init else None  # keep the loss vocabulary it was trained on
     init_note = args.init or ("target's last layers" if args.init_from_target else "random")
-    if args.init and d.num_hidden_layers > grown_from:
-        init_note += f" (grown from {grown_from} to {d.num_hidden_layers} layers: warmstart.grow)"
+    if args.init and d.num_hidden_layers > grown_from[0]:
+        init_note += f" (grown from {grown_from[0]} to {d.num_hidden_layers} layers: warmstart.grow)"
+    if args.init and d.target_layer_ids != grown_from[1]:
+        init_note += f" (taps {list(grown_from[1])} widened to {list(d.target_layer_ids)}: warmstart.widen_taps)"
     def record(state, directory: Path, **extra) -> Path:
         export = export_zlab(d, state, directory, getattr(jnp, args.export_dtype))
         save_ranking(export, trainer.ranking)  # what generate --draft-vocab reads beside config.json

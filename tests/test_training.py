@@ -426,6 +426,10 @@ def test_cli_data_then_train(tmp_path, capsys):
                  "--anchors", "4", "--held-out", "2", "--eval-every", "2", "--export-dtype", "float32"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "run4" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "val"] == [0, 2]
+    # A flag that shapes a new drafter is refused with --init (which keeps its own), not ignored.
+    assert main(["train", *common, "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run5"),
+                 "--init", str(tmp_path / "run" / "drafter"), "--intermediate-size", "32"]) != 0
+    assert "--intermediate-size sets a new drafter's shape; an --init drafter keeps its own" in capsys.readouterr().err
 
     # eval: tau per mode and prompt set, AR identity checked, the report written.
     chat = tmp_path / "chat.jsonl"

@@ -231,3 +231,43 @@ def test_grow_keeps_the_drafts_and_lets_the_new_layers_learn(target):
 
     with pytest.raises(SystemExit):  # a drafter of 0 layers is refused at the flag, not turned into 2
         build_parser().parse_args(["train", "--data", "d.npz", "--out", "o", "--layers", "0"])
+
+
+def test_widen_taps_keeps_the_drafts_and_lets_the_new_taps_learn(target):
+    """`widen_taps` (train_drafter --init DIR --num-taps N): a drafter reading 3 of 30 target layers,
+    widened to DFlash's 5 (which contain its 3), computes the same hidden states from the wider
+    features as before from its own taps' columns (the new taps' fc columns are zero), and the
+    loss's gradient reaches those columns; a count whose taps miss the drafter's own is refused."""
+    import dataclasses
+
+    from bastion_jax.training import drafter_blocks
+    from bastion_jax.training.warmstart import widen_taps
+
+    cfg = dataclasses.replace(tiny_drafter_config(target.config, num_layers=2, block_size=4),
+                              target_layer_ids=(1, 14, 27), num_target_layers=30)
+    narrow = random_drafter(cfg, seed=5)
+    wide = widen_taps(narrow, 5)
+    assert wide.config.target_layer_ids == (1, 8, 14, 20, 27) and wide.path is None
+    rng = np.random.default_rng(1)
+    b, s, h = 1, 12, cfg.target_hidden_size
+    emb = jnp.asarray(rng.normal(size=(b, 3, cfg.block_size, cfg.hidden_size)), jnp.float32)
+    anchors = jnp.asarray([[3, 6, 9]], jnp.int32)
+    positions = anchors[..., None] + jnp.arange(cfg.block_size)
+    feats = rng.normal(size=(b, s, 5, h)).astype(np.float32)  # per tap of (1, 8, 14, 20, 27)
+    valid = jnp.ones((b, 3), bool)
+
+    def hidden(drafter, state, taps):
+        return drafter_blocks(nnx.merge(drafter.graphdef, state), emb, positions, anchors, valid,
+                              jnp.asarray(feats[:, :, taps].reshape(b, s, -1)))
+
+    np.testing.assert_allclose(np.asarray(hidden(wide, wide.state, [0, 1, 2, 3, 4])),
+                               np.asarray(hidden(narrow, narrow.state, [0, 2, 4])), rtol=1e-5, atol=1e-5)
+    fc = np.asarray(nnx.to_pure_dict(wide.state)["fc"]["weight"])  # [hidden, 5 h]
+    assert not fc[:, h:2 * h].any() and not fc[:, 3 * h:4 * h].any()
+    grads = jax.grad(lambda st: jnp.sum(hidden(wide, st, [0, 1, 2, 3, 4]) ** 2))(wide.state)
+    assert np.abs(np.asarray(nnx.to_pure_dict(grads)["fc"]["weight"])[:, h:2 * h]).max() > 0
+    assert widen_taps(narrow, 3) is narrow
+    with pytest.raises(ValueError, match=r"--num-taps 4: .*\[1, 10, 18, 27\].*\[1, 14, 27\]"):
+        widen_taps(narrow, 4)
+    with pytest.raises(ValueError, match="--num-taps 2"):
+        widen_taps(narrow, 2)

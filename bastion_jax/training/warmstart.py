@@ -1,5 +1,6 @@
 """Start a drafter from the target's top layers instead of random weights (`--init-from-target`), or
-deepen a trained drafter without losing what it learnt (`grow`: `--init DIR --layers N`).
+deepen a trained drafter or widen what it reads of the target without losing what it learnt (`grow`:
+`--init DIR --layers N`; `widen_taps`: `--init DIR --num-taps N`).
 
 A DFlash drafter layer has the shape of a target layer (same width, heads and, by default, MLP
 width), and its input lives where the target's last layers work: it feeds the target's LM head.
@@ -21,6 +22,7 @@ from flax import nnx
 
 from bastion_jax.checkpoints import LoadedDrafter, Target, random_drafter
 from bastion_jax.checkpoints.params import swap_dense, unstack_layers
+from bastion_jax.dflash_config import default_target_layer_ids
 
 
 def init_from_target(drafter: LoadedDrafter, target: Target) -> LoadedDrafter:
@@ -93,3 +95,34 @@ def grow(drafter: LoadedDrafter, layers: int) -> LoadedDrafter:
     # path None: it is no longer the checkpoint at the init's path (calibrations key on a drafter's path)
     return dataclasses.replace(drafter, config=deeper.config, graphdef=deeper.graphdef, state=deeper.state,
                                path=None)
+
+
+def widen_taps(drafter: LoadedDrafter, num_taps: int) -> LoadedDrafter:
+    """`drafter` reading `num_taps` target layers (DFlash's spacing, `default_target_layer_ids`) instead
+    of its own taps, which must be among them: `fc`'s columns for its own taps are kept where the
+    wider feature puts them and the new taps' columns start at zero, so the widened drafter drafts
+    exactly as the given one until training moves them.
+
+    Why: the shipped drafter reads 3 of SmolLM2's 30 layers; more depth and more data stopped paying
+    at that size (`docs/architecture.md`, drafter training), and what it reads of the target is the
+    other input a drafter has."""
+    cfg = drafter.config
+    have = tuple(cfg.target_layer_ids)
+    if num_taps == len(have):
+        return drafter
+    taps = default_target_layer_ids(cfg.num_target_layers, num_taps)
+    if num_taps < len(have) or not set(have) <= set(taps):
+        raise ValueError(f"--num-taps {num_taps}: DFlash's {num_taps} taps of a {cfg.num_target_layers}-layer target "
+                         f"are {list(taps)}, which do not include the --init drafter's own {list(have)} (taps only "
+                         "widen; pass a count whose taps contain them, or train without --init)")
+    wider = random_drafter(dataclasses.replace(cfg, target_layer_ids=taps), jax.tree.leaves(drafter.state)[0].dtype)
+    src, dst = nnx.to_pure_dict(drafter.state), nnx.to_pure_dict(wider.state)
+    old = src["fc"]["weight"]  # [hidden, len(have) * target_hidden]: HF's [out, in], taps in id order
+    h = cfg.target_hidden_size
+    cols = [old[:, have.index(t) * h:(have.index(t) + 1) * h] if t in have else jnp.zeros((old.shape[0], h), old.dtype)
+            for t in taps]
+    for name, tree in src.items():
+        dst[name] = tree
+    dst["fc"] = dict(src["fc"], weight=jnp.concatenate(cols, axis=1))  # [hidden, num_taps * target_hidden]
+    nnx.replace_by_pure_dict(wider.state, dst)
+    return dataclasses.replace(drafter, config=wider.config, graphdef=wider.graphdef, state=wider.state, path=None)
