@@ -238,9 +238,10 @@ class DraftGate:
         return self._beats_ar(self._best_rate(curve, max(self.rho, 1.0), context)[1], context)
 
     def root_then(self, context: int, hint: np.ndarray | None = None) -> int:
-        """`then` of a root step: DRAFT when drafting pays (with `hint`, the lookup chain's curve after
-        the last step read, if any), by the mean curve or as an option (`option_pays`), or a probe is due, FLUSH when the feature buffer could not take
-        another held step, else HOLD. Call `record` once the step returned."""
+        """`then` of a root step: DRAFT when drafting pays, by the mean curve (with `hint`, the lookup
+        chain's curve after the last step read, if any) or as an option (`option_pays`), or a probe is
+        due; FLUSH when the feature buffer could not take another held step; else HOLD. Call `record`
+        once the step returned."""
         if self.pays(context, hint) or self.option_pays(context):
             self.probe = self.min_probe
             return DRAFT
