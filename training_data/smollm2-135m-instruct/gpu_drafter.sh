@@ -7,6 +7,8 @@
 #      (--distill 0.5, as drafter v8) and seq_len 384 (the sets average ~255 tokens), stopped by
 #      --max-seconds (the learning rate anneals on wall time, so a cut run still ends annealed);
 #      DEEP=1 also trains b: a 4-layer drafter grown from the shipped one (the "aim higher");
+#      TAPS=5 widens both to DFlash's five target taps (`--num-taps 5`: on CPU five taps lowered the
+#      held-out loss where three did not, `benchmarks/results/cpu-smollm2-drafter-v14-ab.md`);
 #   3. the new data (packed .npz + Magpie prompts), the best export of each drafter, metrics and
 #      logs in one tar, split into 15 MB pieces under $OUT (what the device tool brings back).
 #
@@ -158,6 +160,7 @@ common=(--target "$TARGET" --data "${sets[@]}" "${new[@]}" --block-size 16
 # 4-layer drafter trains beside it, grown from the shipped one (`--init ... --layers 4`: two copies of
 # its last layer with zeroed output projections, so it starts at the shipped drafter's acceptance; a
 # 4-layer start from the target's top layers reached only tau 1.52 in 766 H100 steps against 2.34).
+[ -n "${TAPS:-}" ] && common+=(--num-taps "$TAPS")
 train v9a "${common[@]}" --init bastion_jax/assets/smollm2-135m-instruct-dflash --lr 3e-4 &
 [ "${DEEP:-0}" = 1 ] && train v9b "${common[@]}" --init bastion_jax/assets/smollm2-135m-instruct-dflash --layers 4 \
   --lr 3e-4 &
