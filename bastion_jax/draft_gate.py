@@ -143,7 +143,7 @@ class DraftGate:
         self.accepted_ema, self.surrogate_ema, self.verified = memory.get(
             "calibration", (self.accepted_ema, self.surrogate_ema, self.verified))
         self.a_bar = memory.get("a_bar", self.a_bar)
-        self.recent = list(memory.get("recent", self.recent))[-self.window:] if self.window > 0 else []
+        self.recent = self._latest(memory.get("recent", self.recent))
         self.probe = memory.get("probe", self.probe)
         self.chain_sums = dict(memory.get("chains", self.chain_sums))
 
@@ -152,7 +152,11 @@ class DraftGate:
         it, `controller.batch_curve`)."""
         curve = np.asarray(curve, np.float64)
         self.a_bar = curve if self.a_bar is None else (1 - self.rate) * self.a_bar + self.rate * curve
-        self.recent = [*self.recent, curve][-self.window:] if self.window > 0 else []
+        self.recent = self._latest([*self.recent, curve])
+
+    def _latest(self, curves) -> list[np.ndarray]:
+        """The last `window` of `curves` (none with window 0): what `option_pays` averages over."""
+        return list(curves)[-self.window:] if self.window > 0 else []
 
     @property
     def rho(self) -> float:

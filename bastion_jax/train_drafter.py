@@ -252,7 +252,7 @@ def run_train(args, target, log) -> None:
     if args.init:
         # unrolled layers: the trainer's checkpoints and warm start are per layer on every backend
         drafter = load_drafter(args.init, target.config, jnp.float32, scan_layers=False)
-        grown_from = (drafter.config.num_hidden_layers, drafter.config.target_layer_ids)
+        init_cfg = drafter.config  # before growing or widening (the init note says what changed)
         if args.layers is not None:
             drafter = grow(drafter, args.layers)
         if args.num_taps is not None:
@@ -272,10 +272,11 @@ def run_train(args, target, log) -> None:
     t0 = time.perf_counter()
     ranking = load_ranking(Path(args.init)) if args.init else None  # keep the loss vocabulary it was trained on
     init_note = args.init or ("target's last layers" if args.init_from_target else "random")
-    if args.init and d.num_hidden_layers > grown_from[0]:
-        init_note += f" (grown from {grown_from[0]} to {d.num_hidden_layers} layers: warmstart.grow)"
-    if args.init and d.target_layer_ids != grown_from[1]:
-        init_note += f" (taps {list(grown_from[1])} widened to {list(d.target_layer_ids)}: warmstart.widen_taps)"
+    if args.init and d.num_hidden_layers > init_cfg.num_hidden_layers:
+        init_note += f" (grown from {init_cfg.num_hidden_layers} to {d.num_hidden_layers} layers: warmstart.grow)"
+    if args.init and d.target_layer_ids != init_cfg.target_layer_ids:
+        init_note += (f" (taps {list(init_cfg.target_layer_ids)} widened to {list(d.target_layer_ids)}: "
+                      "warmstart.widen_taps)")
     def record(state, directory: Path, **extra) -> Path:
         export = export_zlab(d, state, directory, getattr(jnp, args.export_dtype))
         save_ranking(export, trainer.ranking)  # what generate --draft-vocab reads beside config.json

@@ -119,8 +119,8 @@ def widen_taps(drafter: LoadedDrafter, num_taps: int) -> LoadedDrafter:
     src, dst = nnx.to_pure_dict(drafter.state), nnx.to_pure_dict(wider.state)
     old = src["fc"]["weight"]  # [hidden, len(have) * target_hidden]: HF's [out, in], taps in id order
     h = cfg.target_hidden_size
-    cols = [old[:, have.index(t) * h:(have.index(t) + 1) * h] if t in have else jnp.zeros((old.shape[0], h), old.dtype)
-            for t in taps]
+    kept = {t: old[:, i * h:(i + 1) * h] for i, t in enumerate(have)}  # [hidden, h] per own tap
+    cols = [kept[t] if t in kept else jnp.zeros((old.shape[0], h), old.dtype) for t in taps]
     for name, tree in src.items():
         dst[name] = tree
     dst["fc"] = dict(src["fc"], weight=jnp.concatenate(cols, axis=1))  # [hidden, num_taps * target_hidden]
