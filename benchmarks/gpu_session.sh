@@ -33,7 +33,7 @@
 #   3. carry the last piece: `TAPS=5 bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS` with DATA_S=0
 #      (the batch-128 data job has never finished a batch inside a lease; TAPS=5: the drafter reads five
 #      target layers instead of three, which on CPU lowered the held-out loss where nothing else did, but
-#      790 steps did not reach the trees: a GPU's thousands may), SECONDS = min(560, status's
+#      not past step ~750 of ~1300 and never into tree tau: optional, a GPU's thousands of steps may differ), SECONDS = min(560, status's
 #      budget_left_s - 40), timeout_s = SECONDS + 20. Its validation walks 32 held-out rows as greedy
 #      decoding does and picks best/ by that tau (`walk_tau` in ret/*-best.json; the run validates its
 #      --init first as step 0, so step 0 there means nothing beat it); ret/<run>-final is the last step.

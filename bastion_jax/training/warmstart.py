@@ -116,13 +116,12 @@ def widen_taps(drafter: LoadedDrafter, num_taps: int) -> LoadedDrafter:
                          f"are {list(taps)}, which do not include the --init drafter's own {list(have)} (taps only "
                          "widen; pass a count whose taps contain them, or train without --init)")
     wider = random_drafter(dataclasses.replace(cfg, target_layer_ids=taps), jax.tree.leaves(drafter.state)[0].dtype)
-    src, dst = nnx.to_pure_dict(drafter.state), nnx.to_pure_dict(wider.state)
+    src = nnx.to_pure_dict(drafter.state)
     old = src["fc"]["weight"]  # [hidden, len(have) * target_hidden]: HF's [out, in], taps in id order
     h = cfg.target_hidden_size
     kept = {t: old[:, i * h:(i + 1) * h] for i, t in enumerate(have)}  # [hidden, h] per own tap
     cols = [kept[t] if t in kept else jnp.zeros((old.shape[0], h), old.dtype) for t in taps]
-    for name, tree in src.items():
-        dst[name] = tree
-    dst["fc"] = dict(src["fc"], weight=jnp.concatenate(cols, axis=1))  # [hidden, num_taps * target_hidden]
-    nnx.replace_by_pure_dict(wider.state, dst)
+    # every weight the drafter's own but fc, whose columns now follow the wider taps
+    fc = dict(src["fc"], weight=jnp.concatenate(cols, axis=1))  # [hidden, num_taps * target_hidden]
+    nnx.replace_by_pure_dict(wider.state, dict(src, fc=fc))
     return dataclasses.replace(drafter, config=wider.config, graphdef=wider.graphdef, state=wider.state, path=None)
