@@ -129,6 +129,9 @@ class DrafterConfig:
     # Likewise: products taken feature-major (`layers.project`), as the target's
     # (`TargetConfig.feature_major`; `load_drafter` follows it).
     feature_major: bool = False
+    # Rank of the optional parent-conditioned output head (`modeling/cond_head.py`; 0: none). Not a
+    # z-lab field: it comes from `cond_head.json` beside the checkpoint (`checkpoints/cond_head.py`).
+    cond_head_rank: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], target: TargetConfig | None = None) -> "DrafterConfig":

@@ -121,6 +121,8 @@ class Engine:
                 draft_vocab = None
         if draft_vocab is not None and (drafter is None or proposal is not None):
             raise GenerationError("a draft vocabulary restricts a drafter's LM head: it needs a drafter and no proposal")
+        if isinstance(draft_vocab, DraftVocab) and draft_vocab.cond_table is None:
+            draft_vocab = draft_vocab.with_head(drafter)  # a conditioned head's table, made once here
         self.draft_vocab = draft_vocab
         self.lookup = lookup
         self.datastore = resolve_datastore(datastore, target, drafter, lookup)

@@ -23,6 +23,7 @@ from flax import nnx, struct
 
 from bastion_jax.decoding import prefill_target
 from bastion_jax.modeling.cache import KVCache, causal_mask
+from bastion_jax.modeling.cond_head import head_table, spine_logits
 from bastion_jax.modeling.layers import project
 from bastion_jax.sampling import argmax, sample
 from bastion_jax.step_config import Proposal, StepConfig
@@ -68,7 +69,7 @@ def resolve_draft_vocab(target, drafter, spec: str | int | None) -> "DraftVocab 
         ranking = np.load(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"unreadable token ranking {path}: {e}") from None
-    return DraftVocab.from_ranking(target, ranking, min(n, target.config.vocab_size))
+    return DraftVocab.from_ranking(target, ranking, min(n, target.config.vocab_size)).with_head(drafter)
 
 
 @struct.dataclass
@@ -79,6 +80,9 @@ class DraftVocab:
 
     ids: jax.Array  # [N] int32 target token ids, most frequent first
     weight: jax.Array  # [N, hidden] the target LM head's rows for `ids`
+    # [N, rank] those rows times a conditioned head's fc2 (`cond_head.head_table`), made once with the
+    # vocabulary (`with_head`) so that drafting does not redo it every step; None: made in the step.
+    cond_table: jax.Array | None = None
 
     @classmethod
     def from_ranking(cls, target, ranking, n: int) -> "DraftVocab":
@@ -92,6 +96,14 @@ class DraftVocab:
                              f"{len(ids)}")
         head = target.state["lm_head"] if "lm_head" in target.state else target.state["embed_tokens"]
         return cls(jnp.asarray(ids, jnp.int32), jnp.take(head["weight"][...], jnp.asarray(ids), axis=0))
+
+    def with_head(self, drafter) -> "DraftVocab":
+        """This vocabulary with `drafter`'s conditioned-head table (itself when the drafter has no head)."""
+        head = nnx.merge(drafter.graphdef, drafter.state).cond_head if drafter is not None else None
+        if head is None:
+            return self
+        table = head_table(head, lambda x: project("...h,nh->...n", x, self.weight, jnp.float32))
+        return self.replace(cond_table=table)
 
     def to_target(self, draft_tokens: jax.Array) -> jax.Array:
         """Target ids of indices into this vocabulary; negative entries (padding) stay as they are."""
@@ -130,6 +142,12 @@ def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, c
         hidden, drafter_cache = _drafter_call(*nnx.split(drafter), target.embed_tokens(block), features, ctx_start,
                                               ctx_len, drafter_cache, active)
         logits = head_logits(target, hidden[:, 1:], draft_vocab)  # [b, B-1, vocab or N]
+        if drafter.cond_head is not None:  # each slot's law given the drafted token before it
+            table = draft_vocab.cond_table if draft_vocab is not None else None
+            if table is None:
+                table = head_table(drafter.cond_head, partial(head_logits, target, draft_vocab=draft_vocab))
+            logits = spine_logits(drafter.cond_head, hidden[:, 1:], logits, root, target.embed_tokens, table,
+                                  draft_vocab.ids if draft_vocab is not None else None)
     else:
         logits = jnp.zeros((b, block_size - 1, target.config.vocab_size), jnp.float32)
     if proposal is not None:

@@ -51,7 +51,11 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = "bfloat16") ->
         raise ConversionError(f"output directory is not empty: {out}")
     source = open_source(src)
     if is_dflash_config(source.hf_config):
+        from bastion_jax.checkpoints.cond_head import has_head, read_head
+
         dcfg, dparams = load_zlab_params(Path(src), parse_dtype(dtype) or source.native_dtype())
+        if has_head(src):  # a conditioned head beside it travels with it
+            dparams = {**dparams, "cond_head": read_head(src, dcfg.hidden_size)[1]}
         out.mkdir(parents=True, exist_ok=True)
         save_drafter(out, dcfg, dparams, source=str(source.path))
         return out

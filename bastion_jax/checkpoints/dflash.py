@@ -37,13 +37,23 @@ def load_zlab_params(path: Path, dtype: jnp.dtype, target: TargetConfig | None =
     return cfg, build_params(source, abstract_state(cfg, dtype), dtype)
 
 
-def export_zlab(cfg: DrafterConfig, state: nnx.State, out: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> Path:
-    """Write a drafter as z-lab config.json + model.safetensors (what `load_drafter` reads back)."""
+def export_zlab(cfg: DrafterConfig, state: nnx.State, out: str | Path, dtype: jnp.dtype = jnp.bfloat16,
+                info: dict[str, Any] | None = None) -> Path:
+    """Write a drafter as z-lab config.json + model.safetensors (what `load_drafter` reads back), and
+    its conditioned head, if it has one, as cond_head.json (with `info`) + cond_head.safetensors."""
     from safetensors.numpy import save_file
+
+    from bastion_jax.checkpoints.cond_head import remove_head, write_head
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    flat = jax.tree_util.tree_flatten_with_path(unstack_layers(nnx.to_pure_dict(state)))[0]  # per layer, as z-lab names them
+    pure = nnx.to_pure_dict(state)
+    head = pure.pop("cond_head", None)  # not a z-lab tensor: its own files beside the checkpoint
+    if head is not None:
+        write_head(out, head, dtype, info)
+    else:
+        remove_head(out)
+    flat = jax.tree_util.tree_flatten_with_path(unstack_layers(pure))[0]  # per layer, as z-lab names them
     tensors = {path_to_name(tuple(getattr(k, "key", k) for k in kp)): np.asarray(jnp.asarray(v, dtype))
                for kp, v in flat}
     save_file(tensors, str(out / "model.safetensors"))

@@ -37,7 +37,8 @@ def _weight_map(directory: Path) -> dict[str, Path]:
         if not isinstance(wm, dict):
             raise ConversionError(f"{index} has no weight_map")
         return {name: directory / fname for name, fname in wm.items()}
-    files = sorted(directory.glob("*.safetensors"))
+    # (a conditioned head's file beside a DFlash drafter is not a shard: `checkpoints/cond_head.py`)
+    files = sorted(f for f in directory.glob("*.safetensors") if f.name != "cond_head.safetensors")
     if not files:
         raise ConversionError(f"no *.safetensors files in {directory}")
     out: dict[str, Path] = {}

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bastion_jax.checkpoints.cond_head import has_head, read_head, remove_head, write_head
 from bastion_jax.checkpoints.params import match_layout, swap_dense, unstack_layers
 from bastion_jax.config import ConfigError, TargetConfig, read_config_json
 from bastion_jax.dflash_config import DrafterConfig
@@ -97,7 +98,14 @@ def save_target(out: Path, cfg: TargetConfig, params: dict[str, Any], source: st
 
 
 def save_drafter(out: Path, cfg: DrafterConfig, params: dict[str, Any], source: str = "") -> None:
+    """Our format; a conditioned head goes beside it in its own files, as beside a z-lab checkpoint."""
+    params = dict(params)
+    head = params.pop("cond_head", None)
     _save(out, cfg.to_hf(), "drafter", params, source)
+    if head is not None:
+        write_head(out, head, jax.tree.leaves(head)[0].dtype)
+    else:
+        remove_head(out)
 
 
 def _merge(cfg, dtype: jnp.dtype, params: dict[str, Any]) -> tuple[nnx.GraphDef, nnx.State]:
@@ -234,13 +242,14 @@ def load_target(path: str | Path, dtype: jnp.dtype | None = None, scan_layers: b
 
 
 def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None = None,
-                 scan_layers: bool | None = None) -> LoadedDrafter:
+                 scan_layers: bool | None = None, cond_head: bool = True) -> LoadedDrafter:
     """Load a converted drafter or a z-lab DFlash checkpoint dir; checks it fits `target`. `dtype`
     as in `load_target` (None: the checkpoint's own); `generate` passes the target's dtype on purpose,
     since the drafter reads the target's features and shares its LM head. `scan_layers`: run its
     layers under a scan (stacked parameters) or unrolled; None follows `target.scan_layers`, since
     both run inside the same steps (the trainer asks for unrolled layers); its products' form
-    follows `target.feature_major` likewise."""
+    follows `target.feature_major` likewise. `cond_head`: load the conditioned head shipped beside
+    the checkpoint, if any (`checkpoints/cond_head.py`); False drafts with the plain drafter."""
     from bastion_jax.checkpoints import ConversionError
     from bastion_jax.checkpoints.dflash import load_zlab_params
 
@@ -261,6 +270,11 @@ def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None
             dtype = dtype or open_hf(path).native_dtype()
             _, params = load_zlab_params(path, dtype, target)
             graphdef, state = _merge(cfg, dtype, params)
+        if cond_head and has_head(path):
+            rank, head = read_head(path, cfg.hidden_size)
+            cfg = dataclasses.replace(cfg, cond_head_rank=rank)
+            dtype = jax.tree.leaves(state)[0].dtype
+            graphdef, state = _merge(cfg, dtype, {**nnx.to_pure_dict(state), "cond_head": head})
     except (ConversionError, ConfigError) as e:
         raise CheckpointError(str(e)) from None
     return LoadedDrafter(cfg, graphdef, state, path)

@@ -23,6 +23,7 @@ from flax import nnx
 from bastion_jax.dflash_config import DrafterConfig
 from bastion_jax.modeling.cache import KVCache
 from bastion_jax.modeling.attention import attend, attend_split
+from bastion_jax.modeling.cond_head import CondHead
 from bastion_jax.modeling.layers import MLP, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 # The fewest new context rows a drafting call projects; more in sizes that double up to the buffer
@@ -96,6 +97,8 @@ class Drafter(nnx.Module):
         else:  # `layers[i].<HF name>`
             self.layers = nnx.List([DrafterLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        # The optional head that conditions each slot's law on the token before it (after `norm`).
+        self.cond_head = CondHead(cfg.hidden_size, cfg.cond_head_rank, dtype=dtype, rngs=rngs) if cfg.cond_head_rank else None
 
     def __call__(self, block_emb: jax.Array, ctx_features: jax.Array, ctx_start: jax.Array | None,
                  ctx_len: jax.Array, cache: KVCache, active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:

@@ -1,0 +1,89 @@
+"""The optional conditioned head's files beside a drafter checkpoint (`modeling/cond_head.py`).
+
+A z-lab DFlash checkpoint (config.json + model.safetensors) stays exactly that: other DFlash code
+reads it unchanged. The head lives beside it in `cond_head.safetensors` (`fc1.weight` [rank, 2h],
+`fc1.bias` [rank], `fc2.weight` [h, rank]) and `cond_head.json` (`rank`, `hidden_size`, how it was
+trained). Every file is checked against the drafter before anything is kept: a head of another
+width or a truncated file is refused in one line, never broadcast or ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from bastion_jax.checkpoints.errors import ConversionError
+
+HEAD_CONFIG = "cond_head.json"
+HEAD_WEIGHTS = "cond_head.safetensors"
+HEAD_FORMAT = 1
+
+
+def has_head(path: str | Path) -> bool:
+    """Whether a drafter directory ships a conditioned head (its config file names one)."""
+    return (Path(path) / HEAD_CONFIG).is_file()
+
+
+def head_shapes(hidden_size: int, rank: int) -> dict[str, dict[str, tuple[int, ...]]]:
+    return {"fc1": {"weight": (rank, 2 * hidden_size), "bias": (rank,)}, "fc2": {"weight": (hidden_size, rank)}}
+
+
+def read_head(path: str | Path, hidden_size: int) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
+    """(rank, the head's tensors as a nested dict) of the head beside drafter dir `path`, checked
+    against the drafter's `hidden_size`. Raises ConversionError with one line naming the problem."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    try:
+        meta = json.loads((path / HEAD_CONFIG).read_text())
+        rank, width = int(meta["rank"]), int(meta["hidden_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConversionError(f"unreadable conditioned-head config {path / HEAD_CONFIG}: {e}") from None
+    if meta.get("format", HEAD_FORMAT) != HEAD_FORMAT:
+        raise ConversionError(f"{path / HEAD_CONFIG}: unknown head format {meta.get('format')!r}")
+    if width != hidden_size or rank <= 0:
+        raise ConversionError(f"conditioned head {path / HEAD_CONFIG} (hidden_size {width}, rank {rank}) does not fit "
+                              f"this drafter (hidden_size {hidden_size})")
+    try:
+        flat = load_file(str(path / HEAD_WEIGHTS))
+    except (OSError, SafetensorError) as e:
+        raise ConversionError(f"missing or corrupt conditioned-head weights {path / HEAD_WEIGHTS}: {e}") from None
+    expected = head_shapes(hidden_size, rank)
+    names = {f"{m}.{p}" for m, ps in expected.items() for p in ps}
+    if set(flat) != names:
+        raise ConversionError(f"{path / HEAD_WEIGHTS} holds {sorted(flat)}, expected {sorted(names)}")
+    tensors: dict[str, dict[str, np.ndarray]] = {}
+    for m, ps in expected.items():
+        for p, shape in ps.items():
+            a = flat[f"{m}.{p}"]
+            if tuple(a.shape) != shape:
+                raise ConversionError(f"{path / HEAD_WEIGHTS}: {m}.{p} has shape {tuple(a.shape)}, expected {shape} "
+                                      f"(rank {rank}, hidden_size {hidden_size})")
+            tensors.setdefault(m, {})[p] = a
+    return rank, tensors
+
+
+def write_head(out: str | Path, head: dict[str, Any], dtype: jnp.dtype = jnp.bfloat16,
+               info: dict[str, Any] | None = None) -> None:
+    """Write a head's nested dict ({"fc1": {"weight", "bias"}, "fc2": {"weight"}}) beside a drafter."""
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    w2 = np.asarray(head["fc2"]["weight"])
+    tensors = {f"{m}.{p}": np.asarray(jnp.asarray(v, dtype)) for m, ps in head.items() for p, v in ps.items()}
+    save_file(tensors, str(out / HEAD_WEIGHTS))
+    meta = {"format": HEAD_FORMAT, "rank": int(w2.shape[1]), "hidden_size": int(w2.shape[0]),
+            "about": "parent-conditioned output head of this DFlash drafter (bastion_jax/modeling/cond_head.py); "
+                     "other DFlash code may ignore it"}
+    (out / HEAD_CONFIG).write_text(json.dumps({**meta, **(info or {})}, indent=2))
+
+
+def remove_head(out: str | Path) -> None:
+    """Drop a stale head from a directory a drafter without one is exported to."""
+    for name in (HEAD_CONFIG, HEAD_WEIGHTS):
+        (Path(out) / name).unlink(missing_ok=True)

@@ -1,0 +1,148 @@
+"""The drafter's optional parent-conditioned head: its laws against brute force, its files, and
+decoding with it token-identical to AR (a head changes drafts, never output)."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bastion_jax.checkpoints import CheckpointError, LoadedDrafter, convert, load_drafter, random_drafter
+from bastion_jax.checkpoints.dflash import export_zlab
+from bastion_jax.engine import Engine
+from bastion_jax.modeling.cache import KVCache
+from bastion_jax.modeling.cond_head import head_table, spine_logits
+from bastion_jax.speculative import DraftVocab, draft_logits, head_logits
+from bastion_jax.testing import tiny_drafter_config
+
+BLOCK = 4
+
+
+def with_head(drafter: LoadedDrafter, rank: int, seed: int, scale: float = 1.0) -> LoadedDrafter:
+    """`drafter` plus a conditioned head of `rank` with random weights (fc2 too: a trained head)."""
+    cfg = dataclasses.replace(drafter.config, cond_head_rank=rank)
+    grown = random_drafter(cfg, seed=seed)
+    pure = nnx.to_pure_dict(grown.state)
+    pure.update({k: v for k, v in nnx.to_pure_dict(drafter.state).items()})
+    keys = jax.random.split(jax.random.key(seed), 3)
+    head = pure["cond_head"]
+    h = cfg.hidden_size
+    head["fc1"]["weight"] = jax.random.normal(keys[0], (rank, 2 * h)) * scale * (2 * h) ** -0.5
+    head["fc1"]["bias"] = jax.random.normal(keys[1], (rank,)) * scale
+    head["fc2"]["weight"] = jax.random.normal(keys[2], (h, rank)) * scale
+    nnx.replace_by_pure_dict(grown.state, pure)
+    return LoadedDrafter(cfg, grown.graphdef, grown.state)
+
+
+@pytest.fixture(scope="module")
+def pair(converted):
+    _, target = converted("qwen3")
+    return target, random_drafter(tiny_drafter_config(target.config, num_layers=2, block_size=BLOCK), seed=3)
+
+
+def test_a_new_head_drafts_exactly_as_the_drafter(pair):
+    """fc2 starts at zero: a freshly added head is the drafter without one, to the bit."""
+    target, drafter = pair
+    grown = random_drafter(dataclasses.replace(drafter.config, cond_head_rank=8), seed=9)
+    pure = nnx.to_pure_dict(grown.state)
+    pure.update(nnx.to_pure_dict(drafter.state))  # same drafter weights, the head as initialised
+    nnx.replace_by_pure_dict(grown.state, pure)
+    assert not np.any(np.asarray(pure["cond_head"]["fc2"]["weight"]))
+    outs = []
+    for d in (drafter, grown):
+        cache = KVCache.create(d.config, 1, 32, jnp.float32)
+        feats = jax.random.normal(jax.random.key(0), (1, 8, len(d.config.target_layer_ids) * target.config.hidden_size))
+        logits, _ = draft_logits(nnx.merge(target.graphdef, target.state), nnx.merge(d.graphdef, d.state), cache, feats, None, jnp.array([8]),
+                                 jnp.array([5]), block_size=BLOCK, mask_token_id=d.config.mask_token_id, proposal=None)
+        outs.append(np.asarray(logits))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_spine_logits_match_brute_force(pair, reduced):
+    """Slot 1's law given the root, slot k's given slot k-1's argmax: the head run slot by slot on
+    the full hidden state (z = h + fc2 silu(fc1 [h; e])) equals the low-rank table form."""
+    loaded, drafter = pair
+    grown = with_head(drafter, 6, seed=4)
+    head = nnx.merge(grown.graphdef, grown.state).cond_head
+    target = nnx.merge(loaded.graphdef, loaded.state)
+    b, depth, h = 3, BLOCK - 1, target.config.hidden_size
+    hidden = jax.random.normal(jax.random.key(1), (b, depth, h))
+    root = jnp.array([3, 17, 40])
+    vocab = DraftVocab.from_ranking(loaded, np.random.default_rng(0).permutation(target.config.vocab_size), 40) \
+        if reduced else None
+    lm = (lambda x: head_logits(target, x, vocab))
+    got = spine_logits(head, hidden, lm(hidden), root, target.embed_tokens, head_table(head, lm),
+                       vocab.ids if reduced else None)
+    emb = np.asarray(loaded.state["embed_tokens"]["weight"][...])
+    for r in range(b):
+        prev = int(root[r])
+        for k in range(depth):
+            z = head(hidden[r, k], jnp.asarray(emb[prev]))  # [h]
+            want = np.asarray(lm(z[None]))[0]
+            np.testing.assert_allclose(np.asarray(got[r, k]), want, rtol=1e-4, atol=1e-4)
+            best = int(np.argmax(want))
+            prev = int(vocab.ids[best]) if reduced else best
+    assert not np.allclose(np.asarray(got), np.asarray(lm(hidden)), atol=1e-2)  # the head does change the laws
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decoding_with_a_head_equals_ar(pair, dtype, tmp_path):
+    """dflash, fixed trees and bastion through a (random, strong) head, with a reduced draft vocabulary
+    and without, emit exactly the AR tokens."""
+    from bastion_jax.checkpoints import load_target
+
+    target, drafter = pair
+    if dtype != jnp.float32:
+        target = load_target(target.path, dtype)
+    grown = with_head(drafter, 8, seed=5, scale=3.0)
+    d = LoadedDrafter(grown.config, grown.graphdef, jax.tree.map(lambda a: a.astype(dtype), grown.state))
+    prompts = [[5, 9, 11, 40], [7, 7, 8, 30, 31, 2]]
+    ranking = np.random.default_rng(1).permutation(target.config.vocab_size)
+    for vocab in (None, DraftVocab.from_ranking(target, ranking, 48)):
+        engine = Engine(target, drafter=d, stop_ids=[-1], buckets=(1, 4, 8), top_k=4, draft_vocab=vocab)
+        if vocab is not None:
+            assert engine.draft_vocab.cond_table is not None  # made once, not in every step
+        ar = engine.generate(prompts, max_new_tokens=24, mode="ar").tokens
+        for mode in ("dflash", "fixed:4", "bastion"):
+            assert engine.generate(prompts, max_new_tokens=24, mode=mode).tokens == ar, (mode, vocab is None)
+
+
+def test_head_files_round_trip_and_refusals(pair, tmp_path, capsys):
+    target, drafter = pair
+    grown = with_head(drafter, 6, seed=6)
+    out = export_zlab(grown.config, grown.state, tmp_path / "d", jnp.float32, info={"steps": 3})
+    meta = json.loads((out / "cond_head.json").read_text())
+    assert meta["rank"] == 6 and meta["steps"] == 3
+    assert "cond_head" not in json.dumps(json.loads((out / "config.json").read_text()))  # z-lab config untouched
+    from safetensors.numpy import load_file
+
+    assert not any(k.startswith("cond_head") for k in load_file(str(out / "model.safetensors")))
+    assert not capsys.readouterr().err  # (the head's file is not read as a shard of the drafter)
+    back = load_drafter(out, target.config, jnp.float32)
+    assert back.config.cond_head_rank == 6
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(back.state), nnx.to_pure_dict(grown.state))
+    assert load_drafter(out, target.config, jnp.float32, cond_head=False).config.cond_head_rank == 0
+    # converting the z-lab dir to our format keeps the head beside it
+    conv = convert(out, tmp_path / "conv", dtype="float32")
+    again = load_drafter(conv, target.config, jnp.float32)
+    assert "unused tensor" not in capsys.readouterr().err
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(again.state), nnx.to_pure_dict(grown.state))
+
+    meta_bad = dict(meta, hidden_size=meta["hidden_size"] + 1)
+    (out / "cond_head.json").write_text(json.dumps(meta_bad))
+    with pytest.raises(CheckpointError, match="does not fit this drafter"):
+        load_drafter(out, target.config, jnp.float32)
+    (out / "cond_head.json").write_text(json.dumps(dict(meta, rank=5)))
+    with pytest.raises(CheckpointError, match=r"fc1.weight has shape \(6, 128\), expected \(5, 128\)"):
+        load_drafter(out, target.config, jnp.float32)
+    (out / "cond_head.json").write_text(json.dumps(meta))
+    (out / "cond_head.safetensors").write_bytes(b"\x00" * 20)
+    with pytest.raises(CheckpointError, match="corrupt conditioned-head weights"):
+        load_drafter(out, target.config, jnp.float32)
+    # a drafter without a head exported over the directory leaves no stale head behind
+    export_zlab(drafter.config, drafter.state, out, jnp.float32)
+    assert not (out / "cond_head.json").exists() and load_drafter(out, target.config).config.cond_head_rank == 0
