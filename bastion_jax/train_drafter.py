@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--miss-weight", type=float, default=1.0, metavar="W",
                    help="draw anchors where a row's chains first missed on its last visit W times as often (decoding "
                         "anchors there, after a token the drafter got wrong; default 1: uniform anchors)")
+    t.add_argument("--cond-head", type=positive_int, metavar="RANK", help="add a parent-conditioned output head "
+                   "of this rank (each slot's law given the token before it; exported beside the drafter as "
+                   "cond_head.json / .safetensors); an --init drafter's own head is kept (same rank)")
+    t.add_argument("--freeze-drafter", action="store_true", help="train only the conditioned head (the drafter's "
+                   "weights stay as --init gave them)")
     t.add_argument("--resume", action="store_true", help="continue OUT's latest checkpoint and refuse to start "
                    "without one (a rerun without --resume also continues a checkpoint it finds, and says so)")
     t.add_argument("--max-seconds", type=_positive_seconds, help="stop after this much wall time (at a step boundary: "
@@ -221,8 +226,8 @@ def run_train(args, target, log) -> None:
     import jax.numpy as jnp
 
     from bastion_jax.checkpoints import load_drafter, random_drafter
-    from bastion_jax.training import (TokenDataset, TrainConfig, Trainer, grow, init_from_target, load_ranking,
-                                      save_ranking, widen_taps)
+    from bastion_jax.training import (TokenDataset, TrainConfig, Trainer, add_head, grow, init_from_target,
+                                      load_ranking, save_ranking, widen_taps)
     from bastion_jax.checkpoints.dflash import export_zlab
 
     missing = [d for d in args.reuse_features if not Path(d).is_dir()]
@@ -244,7 +249,7 @@ def run_train(args, target, log) -> None:
                       draft_vocab=draft_vocab_size(args.draft_vocab, target.config.vocab_size),
                       matmul_dtype=args.matmul_dtype, cache_features=not args.no_feature_cache,
                       distill=args.distill, walk_rows=args.walk_rows, walk_window=args.walk_window, ema=args.ema,
-                      miss_weight=args.miss_weight)
+                      miss_weight=args.miss_weight, freeze_drafter=args.freeze_drafter)
     data = TokenDataset.from_files(args.data, cfg.seq_len, target.config.vocab_size)
     if data.duplicates:
         log(f"data: {data.duplicates} rows repeat another row exactly and are dropped ({len(data)} distinct)")
@@ -263,6 +268,10 @@ def run_train(args, target, log) -> None:
         drafter = random_drafter(dcfg, seed=args.seed)
         if args.init_from_target:
             drafter = init_from_target(drafter, target)
+    if args.cond_head:
+        drafter = add_head(drafter, args.cond_head, seed=args.seed)
+    if args.freeze_drafter and not args.init:
+        raise ValueError("--freeze-drafter keeps the drafter's weights: start from a trained one (--init DIR)")
     d = drafter.config
     log(f"drafter: {d.num_hidden_layers} layers, taps {list(d.target_layer_ids)}, block {d.block_size}, "
         f"{sum(x.size for x in jax.tree.leaves(drafter.state)) / 1e6:.1f}M params | "
@@ -274,11 +283,14 @@ def run_train(args, target, log) -> None:
     init_note = args.init or ("target's last layers" if args.init_from_target else "random")
     if args.init and d.num_hidden_layers > init_cfg.num_hidden_layers:
         init_note += f" (grown from {init_cfg.num_hidden_layers} to {d.num_hidden_layers} layers: warmstart.grow)"
+    if d.cond_head_rank and not (args.init and init_cfg.cond_head_rank):
+        init_note += f" (a new conditioned head of rank {d.cond_head_rank}: warmstart.add_head)"
     if args.init and d.target_layer_ids != init_cfg.target_layer_ids:
         init_note += (f" (taps {list(init_cfg.target_layer_ids)} widened to {list(d.target_layer_ids)}: "
                       "warmstart.widen_taps)")
     def record(state, directory: Path, **extra) -> Path:
-        export = export_zlab(d, state, directory, getattr(jnp, args.export_dtype))
+        head_info = {"trained": "see training.json", "frozen_drafter": cfg.freeze_drafter} if d.cond_head_rank else None
+        export = export_zlab(d, state, directory, getattr(jnp, args.export_dtype), info=head_info)
         save_ranking(export, trainer.ranking)  # what generate --draft-vocab reads beside config.json
         (export / "training.json").write_text(json.dumps(
             {"train_config": dataclasses.asdict(cfg), "data": [str(p) for p in args.data],

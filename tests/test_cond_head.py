@@ -146,3 +146,56 @@ def test_head_files_round_trip_and_refusals(pair, tmp_path, capsys):
     # a drafter without a head exported over the directory leaves no stale head behind
     export_zlab(drafter.config, drafter.state, out, jnp.float32)
     assert not (out / "cond_head.json").exists() and load_drafter(out, target.config).config.cond_head_rank == 0
+
+
+def test_a_head_trained_on_a_frozen_drafter_walks_as_decoding_does(pair, tmp_path):
+    """`--cond-head R --freeze-drafter`: only the head moves; the trainer's teacher-forced walk (each
+    slot given the true token before it) takes, row by row, exactly the steps dflash decoding through
+    the exported head takes (drafting given the drafted token before it), and the head earns acceptance."""
+    from bastion_jax.training import (Objective, TokenDataset, TrainConfig, Trainer, add_head, loss_vocab,
+                                      target_features, walk, walk_runs)
+
+    target, drafter = pair
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(4, 90, 4)) for _ in range(24)]
+    out = Engine(target, stop_ids=[-1]).generate(prompts, max_new_tokens=28).tokens
+    data = TokenDataset([{"prompt_ids": [int(t) for t in p], "response_ids": o} for p, o in zip(prompts, out)],
+                        seq_len=32, vocab_size=target.config.vocab_size)
+    train, val = data.split(4)
+    with pytest.raises(ValueError, match="conditioned head, and it has none"):
+        Trainer(target, drafter, TrainConfig(steps=1, seq_len=32, num_anchors=8, freeze_drafter=True), tmp_path)
+    grown = add_head(drafter, 16, seed=1)
+    cfg = TrainConfig(steps=80, batch_size=4, seq_len=32, num_anchors=8, lr=3e-2, eval_every=20,
+                      freeze_drafter=True)
+    trained = Trainer(target, grown, cfg, tmp_path / "run", log=lambda m: None).fit(train, val, progress=False)
+    before, after = nnx.to_pure_dict(grown.state), nnx.to_pure_dict(trained.state)
+    head_before, head_after = before.pop("cond_head"), after.pop("cond_head")
+    jax.tree.map(np.testing.assert_array_equal, after, before)  # the drafter did not move (no decay either)
+    assert np.abs(np.asarray(head_after["fc2"]["weight"])).max() > 1e-3  # the head did
+
+    loaded = load_drafter(export_zlab(trained.config, trained.state, tmp_path / "export", jnp.float32), target.config)
+    assert loaded.config.cond_head_rank == 16
+    engine = Engine(target, drafter=loaded, stop_ids=[-1])
+    plain = Engine(target, drafter=drafter, stop_ids=[-1])
+    assert engine.generate(prompts[:4], max_new_tokens=20, mode="dflash").tokens == \
+        Engine(target, stop_ids=[-1]).generate(prompts[:4], max_new_tokens=20).tokens
+    # The walk over rows it trained on (the tiny random target's continuations of random prompts share
+    # little, so a head this small learns its rows, not a rule; enough to check the two agree).
+    rows = train.tokens[:8], train.loss_mask[:8]
+    model = nnx.merge(target.graphdef, target.state)
+    tokens, mask = jnp.asarray(rows[0]), jnp.asarray(rows[1])
+    obj = Objective(block_size=BLOCK, num_anchors=8, gamma=7.0, mask_token_id=drafter.config.mask_token_id)
+    run, valid = walk_runs(trained.state, loss_vocab(target, None, 0), model.embed_tokens.weight[...],
+                           target_features(model, tokens, drafter.config.target_layer_ids, jnp.float32), tokens,
+                           mask, drafter_def=trained.graphdef, obj=obj, window=40, matmul_dtype="float32")
+    taus = []
+    for e in (engine, plain):
+        committed = steps = 0
+        for i in range(len(rows[0])):
+            start, length = int(np.argmax(rows[1][i])), int(rows[1][i].sum())
+            st = e.generate([[int(t) for t in rows[0][i, :start]]], max_new_tokens=length, mode="dflash").stats
+            if e is engine:
+                assert walk(np.asarray(run[i:i + 1]), np.asarray(valid[i:i + 1])) == (st.new_tokens - 1, st.steps)
+            committed, steps = committed + st.new_tokens - 1, steps + st.steps
+        taus.append(committed / steps)
+    assert taus[0] > taus[1] + 0.1, taus  # the head drafts what the frozen random drafter could not

@@ -11,9 +11,9 @@ from bastion_jax.training.step import blocks_forward, train_step
 from bastion_jax.training.trainer import Trainer
 from bastion_jax.training.vocab import LossVocab, VocabError, load_ranking, loss_vocab, rank_vocab, save_ranking
 from bastion_jax.training.walk import walk, walk_runs, window_anchors
-from bastion_jax.training.warmstart import grow, init_from_target, widen_taps
+from bastion_jax.training.warmstart import add_head, grow, init_from_target, widen_taps
 
-__all__ = ["Blocks", "DataError", "FeatureStore", "LossVocab", "Metrics", "Objective", "TokenDataset", "TrainConfig",
+__all__ = ["Blocks", "add_head", "DataError", "FeatureStore", "LossVocab", "Metrics", "Objective", "TokenDataset", "TrainConfig",
            "Trainer", "VocabError", "batch_indices", "block_loss", "blocks_forward", "check_not_benchmark",
            "default_gamma", "drafter_blocks", "file_prompts", "grow", "init_from_target", "load_ranking", "loss_vocab",
            "make_blocks", "matmul", "optimizer", "rank_vocab", "restrict_vocab", "sample_anchors", "save_ranking",

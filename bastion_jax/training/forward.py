@@ -147,4 +147,21 @@ def anchored_forward(drafter, embed: jax.Array, features: jax.Array, tokens: jax
     emb = jnp.take(embed, blocks.ids, axis=0)  # [b, N, B, h]
     hidden = drafter_blocks(drafter, emb, blocks.positions, anchors, valid, features.astype(jnp.float32),
                             jnp.dtype(matmul_dtype))
-    return hidden[:, :, 1:], blocks  # slot 0 is the anchor itself: untrained
+    hidden = conditioned(drafter, embed, hidden[:, :, 1:], tokens, blocks.positions, jnp.dtype(matmul_dtype))
+    return hidden, blocks  # slot 0 is the anchor itself: untrained
+
+
+def conditioned(drafter, embed: jax.Array, hidden: jax.Array, tokens: jax.Array, positions: jax.Array,
+                dtype) -> jax.Array:
+    """Slots 1..B-1's hidden states [b, N, B-1, h] through the drafter's conditioned head, if it has
+    one (`modeling/cond_head.py`), each given the true token before it (the block's root for slot 1):
+    teacher forcing, which for a chain is exactly what drafting sees while its run lasts.
+    positions: [b, N, B] the blocks' positions in tokens [b, S]."""
+    head = drafter.cond_head
+    if head is None:
+        return hidden
+    b, n, blk = positions.shape
+    prev_pos = jnp.minimum(positions[:, :, :-1], tokens.shape[1] - 1).reshape(b, n * (blk - 1))
+    prev = jnp.take_along_axis(tokens, prev_pos, axis=1).reshape(b, n, blk - 1)  # [b, N, B-1]
+    x = jnp.concatenate([hidden, jnp.take(embed, prev, axis=0).astype(hidden.dtype)], axis=-1)  # [b, N, B-1, 2h]
+    return hidden + _linear(head.fc2, jax.nn.silu(_linear(head.fc1, x, dtype)), dtype)

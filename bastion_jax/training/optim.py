@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -41,6 +42,9 @@ class TrainConfig:
     # Anchors where a row's chains first missed on its last visit are drawn this many times as often
     # (`Objective.miss_weight`): decoding anchors there, after a token the drafter got wrong. 1: uniform.
     miss_weight: float = 1.0
+    # Train only the drafter's conditioned head (`modeling/cond_head.py`); every other weight stays as
+    # it is (no gradient, no weight decay).
+    freeze_drafter: bool = False
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1:
@@ -79,10 +83,26 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     step from `learning_rate`: the schedule can follow wall time as well as steps."""
     adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, b1=0.9, b2=0.95,
                                                   weight_decay=cfg.weight_decay)
+    if cfg.freeze_drafter:  # gradients and updates (decay included) of everything else zeroed
+        return optax.chain(only_head(), optax.clip_by_global_norm(cfg.max_grad_norm), adamw, only_head())
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+
+
+def is_head(path: tuple) -> bool:
+    """Whether a parameter's tree path lies in the drafter's conditioned head."""
+    return bool(path) and getattr(path[0], "key", None) == "cond_head"
+
+
+def only_head() -> optax.GradientTransformation:
+    """Zeroes the updates of every parameter outside the conditioned head (stateless)."""
+
+    def update(updates, state, params=None):
+        return jax.tree_util.tree_map_with_path(lambda p, u: u if is_head(p) else jnp.zeros_like(u), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def set_learning_rate(opt_state, lr: float):
     """`opt_state` (of `optimizer`) with its injected learning rate set to `lr`."""
-    clip, adamw = opt_state
-    return clip, adamw._replace(hyperparams={**adamw.hyperparams, "learning_rate": jnp.asarray(lr, jnp.float32)})
+    return tuple(s._replace(hyperparams={**s.hyperparams, "learning_rate": jnp.asarray(lr, jnp.float32)})
+                 if hasattr(s, "hyperparams") else s for s in opt_state)

@@ -79,6 +79,8 @@ class Trainer:
         self.workdir = Path(self.workdir)
         d = self.drafter.config
         self.drafter.config.check_pair(self.target.config)
+        if self.cfg.freeze_drafter and not d.cond_head_rank:
+            raise ValueError("freezing the drafter trains only its conditioned head, and it has none (--cond-head R)")
         self.obj = Objective(block_size=d.block_size, num_anchors=self.cfg.num_anchors,
                              gamma=self.cfg.gamma or default_gamma(d.block_size), mask_token_id=d.mask_token_id,
                              distill=self.cfg.distill, miss_weight=self.cfg.miss_weight)

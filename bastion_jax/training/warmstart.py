@@ -125,3 +125,22 @@ def widen_taps(drafter: LoadedDrafter, num_taps: int) -> LoadedDrafter:
     fc = dict(src["fc"], weight=jnp.concatenate(cols, axis=1))  # [hidden, num_taps * target_hidden]
     nnx.replace_by_pure_dict(wider.state, dict(src, fc=fc))
     return dataclasses.replace(drafter, config=wider.config, graphdef=wider.graphdef, state=wider.state, path=None)
+
+
+def add_head(drafter: LoadedDrafter, rank: int, seed: int = 0) -> LoadedDrafter:
+    """`drafter` plus a new conditioned head of `rank` (`modeling/cond_head.py`; `--cond-head R`): every
+    drafter weight kept, fc2 at zero, so it drafts exactly as before until the head is trained. A
+    drafter that already has a head keeps it when the rank agrees; another rank is refused."""
+    have = drafter.config.cond_head_rank
+    if have:
+        if have != rank:
+            raise ValueError(f"--cond-head {rank}: the drafter already has a conditioned head of rank {have}")
+        return drafter
+    if rank < 1:
+        raise ValueError(f"--cond-head must be >= 1, got {rank}")
+    grown = random_drafter(dataclasses.replace(drafter.config, cond_head_rank=rank),
+                           dtype=jax.tree.leaves(drafter.state)[0].dtype, seed=seed)
+    pure = nnx.to_pure_dict(grown.state)
+    pure.update(nnx.to_pure_dict(drafter.state))  # the drafter's own weights; the head as initialised
+    nnx.replace_by_pure_dict(grown.state, pure)
+    return dataclasses.replace(drafter, config=grown.config, graphdef=grown.graphdef, state=grown.state)
