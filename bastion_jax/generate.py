@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", default="auto", help="drafter LM head restricted to the N most frequent "
                    "target tokens (FR-Spec; the ranking ships beside the drafter as vocab_ranking.npy): auto (8192 "
                    "when the drafter has a ranking), full, or N. Output is unchanged: verification uses every token")
+    p.add_argument("--cond-head", default="on", choices=["on", "off"], help="use the drafter's parent-conditioned "
+                   "head when one ships beside it (cond_head.json; each slot drafted given the drafted token before "
+                   "it). Default on; off drafts with the plain DFlash drafter")
     add_lookup_flag(p)
     p.add_argument("--tree-top-k", type=int, default=128,
                    help="tree width: drafter candidates per block position when building trees (default 128, "
@@ -111,9 +114,12 @@ def load_models(args, log):
         log(f"drafter: tiny random (block size {block}, {target.dtype.name} like the target; expect few accepted "
             "tokens)")
         return path, target, drafter
-    drafter = load_drafter(drafter_arg, target.config, target.dtype)  # computes in the target's dtype
+    # computes in the target's dtype
+    drafter = load_drafter(drafter_arg, target.config, target.dtype, cond_head=getattr(args, "cond_head", "on") == "on")
+    rank = drafter.config.cond_head_rank
     log(f"drafter: {drafter_arg} ({drafter.config.num_hidden_layers} layers, block size "
-        f"{drafter.config.block_size}, computing in {target.dtype.name} like the target)")
+        f"{drafter.config.block_size}{f', conditioned head of rank {rank}' if rank else ''}, computing in "
+        f"{target.dtype.name} like the target)")
     return path, target, drafter
 
 

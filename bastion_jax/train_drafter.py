@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_lookup_flag(e)
     e.add_argument("--tree-top-k", type=int, default=128)
     e.add_argument("--draft-vocab", default="auto", help="as generate --draft-vocab (auto, full or N)")
+    e.add_argument("--cond-head", default="on", choices=["on", "off"], help="as generate --cond-head: the "
+                   "drafter's conditioned head, if it ships one (off: the plain drafter, for an A/B)")
     e.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default 8)")
     e.add_argument("--no-chat", action="store_true", help="prompts as plain text (no chat template)")
     e.add_argument("--out", help="also write the report to OUT.json and OUT.md")
@@ -333,7 +335,7 @@ def run_eval(args, target, log) -> None:
     modes = [m for m in args.modes.split(",") if m and m != "ar"]
     for m in modes:
         Policy.parse(m)
-    drafter = load_drafter(drafter_dir, target.config, target.dtype)
+    drafter = load_drafter(drafter_dir, target.config, target.dtype, cond_head=args.cond_head == "on")
     tok = load_tokenizer(target)
     buckets = parse_buckets(args.buckets)
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,

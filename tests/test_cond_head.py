@@ -169,7 +169,8 @@ def test_a_head_trained_on_a_frozen_drafter_walks_as_decoding_does(pair, tmp_pat
                       freeze_drafter=True)
     trained = Trainer(target, grown, cfg, tmp_path / "run", log=lambda m: None).fit(train, val, progress=False)
     before, after = nnx.to_pure_dict(grown.state), nnx.to_pure_dict(trained.state)
-    head_before, head_after = before.pop("cond_head"), after.pop("cond_head")
+    before.pop("cond_head")
+    head_after = after.pop("cond_head")
     jax.tree.map(np.testing.assert_array_equal, after, before)  # the drafter did not move (no decay either)
     assert np.abs(np.asarray(head_after["fc2"]["weight"])).max() > 1e-3  # the head did
 
