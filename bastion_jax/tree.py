@@ -12,13 +12,17 @@ children: every prefix of the node list is a valid tree, for every bucket.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bastion_jax.lookup import Chain
+
+
+# child_law(d, parent tokens [m]) -> log-probs [m, vocab]: row d's law given each parent (`build_tree`)
+ChildLaw = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 class Tree(NamedTuple):
@@ -32,7 +36,7 @@ class Tree(NamedTuple):
 
 
 def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int, ids: jax.Array | None = None,
-               chain: Chain | None = None) -> Tree:
+               chain: Chain | None = None, child_law: ChildLaw | None = None, cond_depths: int = 0) -> Tree:
     """Top `num_nodes - 1` prefixes of the lattice `log_probs` [depth, vocab] under `root`.
 
     `log_probs` row d-1 is the drafter's log-distribution for depth d (block slot d); `ids` [vocab]
@@ -46,6 +50,14 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     Only the top min(top_k, num_nodes - 1) tokens per depth are read: a token ranked lower has at least
     num_nodes - 1 siblings ahead of it (same parent, no lower score, and ties go to the better rank), so
     it is never one of the tree's num_nodes - 1 nodes. Same tree, a smaller top-k and candidate lists.
+
+    `child_law(d, parents)` (with `cond_depths` >= 2): the children of depths 2..cond_depths come from
+    each parent's own law, `child_law(d, parent tokens [m])` -> log-probs [m, vocab] for row d (a
+    drafter's conditioned head, `modeling/cond_head.py`), instead of the depth's shared row; depth 1
+    (the root's children) and deeper depths keep `log_probs`. Each depth still keeps its best m
+    (parent, child) pairs: a pair (i, j), parent i of the kept list and its child of rank j in that
+    parent's own sorted row, has parents 0..i and i's j better children ahead of it, so it can be
+    among the tree's m nodes only when i + j <= m - 2 (`_cond_pairs`).
     """
     depth, vocab = log_probs.shape
     m = num_nodes - 1  # non-root nodes
@@ -61,11 +73,16 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     else:
         look = chain.tokens  # [depth] target ids
         if ids is None:
-            chain_lp = jnp.take_along_axis(log_probs, jnp.clip(look, 0, vocab - 1)[:, None], axis=1)[:, 0]
-        else:  # the chain token's column in the draft vocabulary, if it has one
-            chain_lp = jnp.max(jnp.where(ids[None, :] == look[:, None], log_probs, -jnp.inf), axis=1)
-        chain_lp = jnp.where(look >= 0, chain_lp.astype(jnp.float32), neg_inf)  # [depth]
-        top_lp, top_tok, on_lp = _candidates_with_chain(top_lp, top_tok, chain, chain_lp)
+            chain_col = jnp.clip(look, 0, vocab - 1)
+        else:  # the chain token's column in the draft vocabulary, if it has one (else -inf below)
+            chain_col = jnp.argmax(ids[None, :] == look[:, None], axis=1)
+            look_ok = jnp.any(ids[None, :] == look[:, None], axis=1)
+        chain_lp = jnp.take_along_axis(log_probs, chain_col[:, None], axis=1)[:, 0].astype(jnp.float32)
+        if ids is not None:
+            chain_lp = jnp.where(look_ok, chain_lp, neg_inf)
+        chain_lp = jnp.where(look >= 0, chain_lp, neg_inf)  # [depth]
+        w = jnp.where(jnp.arange(depth) == 0, chain.first, chain.cont)  # [depth]
+        top_lp, top_tok, on_lp = _candidates_with_chain(top_lp, top_tok, look, w, chain_lp)
         off_lp = top_lp
         k = k + 1
 
@@ -81,35 +98,51 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     chain_tok = chain.tokens if chain is not None else jnp.full((depth,), -1, jnp.int32)  # [depth]
     on = (tok >= 0) & (tok == chain_tok[0])  # [m] still on the chain
 
-    ci, cj = map(jnp.asarray, _pair_candidates(m, k, chain is not None))  # [n_pairs]: pairs that can be kept
-
-    def deeper(carry, xs):
-        """One more depth: the top m of (kept parents) x (k tokens). A scan, not a Python loop: one
-        body to compile whatever the block size (XLA:GPU's compile time follows the kernel count)."""
-        prev, on = carry  # [m] scores, [m] bool
-        on_d, off_d, tok_d, chain_d = xs  # [k], [k], [k], []
+    def expand(prev, on, pairs, on_rows, off_rows, tok_rows, chain_d):
+        """The top m of (kept parents) x (their candidates) among `pairs` (parent, rank), each parent's
+        row given by `*_rows(parent, rank)`. With a chain, at most one kept node is on it: its row
+        (the on-chain scores, unsorted) goes in whole, last. Returns (scores, on, parent, token) [m]."""
+        ci, cj = pairs
         if chain is None:
-            s, idx = keep_best(prev[ci] + off_d[cj])  # [m] of the candidate pairs, in flat order
+            s, idx = keep_best(prev[ci] + off_rows(ci, cj))  # [m] of the candidate pairs, in flat order
             parent, rank = ci[idx], cj[idx]
-        else:  # at most one kept node is on the chain: its row (on_d, unsorted) goes in whole, last
+        else:
             r = jnp.argmax(on)
             has = on[r]
-            off = jnp.where(has & (ci == r), neg_inf, prev[ci] + off_d[cj])  # [n_pairs]
-            on_row = jnp.where(has, prev[r] + on_d, neg_inf)  # [k]
+            off = jnp.where(has & (ci == r), neg_inf, prev[ci] + off_rows(ci, cj))  # [n_pairs]
+            on_row = jnp.where(has, prev[r] + on_rows(r), neg_inf)  # [k]
             s, idx = keep_best(jnp.concatenate([off, on_row]))
             n_off = ci.shape[0]
             pair = jnp.minimum(idx, n_off - 1)  # (read only where idx < n_off: an off-chain pair)
             parent = jnp.where(idx < n_off, ci[pair], r)
             rank = jnp.where(idx < n_off, cj[pair], idx - n_off)
-        tok = tok_d[rank]
+        tok = tok_rows(parent, rank)
         on = on[parent] & (tok == chain_d) if chain is not None else on
-        return (s, on), (s, parent.astype(jnp.int32), tok)
+        return s, on, parent.astype(jnp.int32), tok
 
-    _, (deep_s, deep_parent, deep_tok) = jax.lax.scan(
-        deeper, (s, on), (on_lp[1:], off_lp[1:], top_tok[1:], chain_tok[1:]))  # each [depth - 1, m]
-    level_scores = [s[None], deep_s]
-    level_parent = [jnp.full((1, m), -1, jnp.int32), deep_parent]
-    level_tok = [tok[None], deep_tok]
+    shared_pairs = tuple(map(jnp.asarray, _pair_candidates(m, k, chain is not None)))  # [n_pairs] each
+
+    def deeper(carry, xs):
+        """One more depth from its shared candidate row: the top m of (kept parents) x (k tokens). A
+        scan, not a Python loop: one body to compile whatever the block size (XLA:GPU's compile time
+        follows the kernel count)."""
+        prev, on, _ = carry  # [m] scores, [m] bool, [m] tokens
+        on_d, off_d, tok_d, chain_d = xs  # [k], [k], [k], []
+        s, on, parent, tok = expand(prev, on, shared_pairs, lambda r: on_d, lambda i, j: off_d[j],
+                                    lambda i, j: tok_d[j], chain_d)
+        return (s, on, tok), (s, parent, tok)
+
+    n_cond = min(cond_depths, depth) if child_law is not None else 0  # depths 2..n_cond: per-parent laws
+    carry = (s, on, tok)
+    levels = [(s[None], jnp.full((1, m), -1, jnp.int32), tok[None])]
+    if n_cond >= 2:
+        carry, level = _conditioned_depths(child_law, carry, n_cond, m, k, ids, chain, expand)
+        levels.append(level)
+    start = max(n_cond, 1)
+    if start < depth:
+        _, level = jax.lax.scan(deeper, carry, (on_lp[start:], off_lp[start:], top_tok[start:], chain_tok[start:]))
+        levels.append(level)  # each [depth - start, m]
+    level_scores, level_parent, level_tok = (list(x) for x in zip(*levels))
 
     scores = jnp.concatenate(level_scores).reshape(-1)  # [depth * m], candidate c = (d-1) * m + local
     cand_depth = jnp.repeat(jnp.arange(1, depth + 1, dtype=jnp.int32), m)
@@ -150,23 +183,62 @@ def _pair_candidates(m: int, k: int, chain: bool) -> tuple[np.ndarray, np.ndarra
     return i.reshape(-1)[keep].astype(np.int32), j.reshape(-1)[keep].astype(np.int32)
 
 
-def _candidates_with_chain(top_lp: jax.Array, top_tok: jax.Array, chain: Chain, chain_lp: jax.Array
+def _cond_pairs(m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (parent, rank) pairs of a depth whose parents each have their own sorted row that can be
+    among the tree's m nodes: pair (i, j) has the kept parents 0..i (no lower score, shallower) and
+    parent i's j better children ahead of it, so it needs i + 1 + j <= m - 1 (the pair (0, 0) always)."""
+    i, j = np.meshgrid(np.arange(m), np.arange(k), indexing="ij")
+    keep = (i + j <= max(m - 2, 0)).reshape(-1)
+    return i.reshape(-1)[keep].astype(np.int32), j.reshape(-1)[keep].astype(np.int32)
+
+
+def _conditioned_depths(child_law: ChildLaw, carry, n_cond: int, m: int, k: int, ids: jax.Array | None,
+                        chain: Chain | None, expand):
+    """Depths 2..n_cond of `build_tree`, each kept parent's children from its own law: a scan over
+    the depths whose body asks `child_law` for the m kept parents' rows, takes each row's top k
+    (and, with a chain, the chain token's log-prob in each row) and keeps the best m pairs."""
+    neg_inf = jnp.float32(-jnp.inf)
+    pairs = tuple(map(jnp.asarray, _cond_pairs(m, k - (chain is not None))))
+    kk = k - (chain is not None)  # the drafter's candidates per row (a chain adds its token as one more)
+
+    def body(carry, d):
+        prev, on, ptok = carry  # [m] scores, [m] bool, [m] target ids (-1: padding)
+        law = child_law(d, jnp.maximum(ptok, 0)).astype(jnp.float32)  # [m, vocab]
+        lp, col = jax.lax.optimization_barrier(jax.lax.top_k(law, kk))  # [m, kk] (barrier: see build_tree)
+        tok = ids[col] if ids is not None else col
+        if chain is None:
+            on_rows = off_rows = lp
+            chain_d = jnp.int32(-1)
+        else:
+            chain_d = chain.tokens[d]
+            hit = (ids == chain_d) if ids is not None else (jnp.arange(law.shape[1]) == chain_d)  # [vocab]
+            chain_lp = jnp.where((chain_d >= 0) & hit.any(), jnp.max(jnp.where(hit[None], law, neg_inf), axis=1),
+                                 neg_inf)  # [m]
+            off_rows, tok, on_rows = _candidates_with_chain(lp, tok, jnp.full((m,), chain_d), jnp.full((m,), chain.cont),
+                                                            chain_lp)
+        s, on, parent, new_tok = expand(prev, on, pairs, lambda r: on_rows[r], lambda i, j: off_rows[i, j],
+                                        lambda i, j: tok[i, j], chain_d)
+        return (s, on, new_tok), (s, parent, new_tok)
+
+    return jax.lax.scan(body, carry, jnp.arange(1, n_cond))
+
+
+def _candidates_with_chain(top_lp: jax.Array, top_tok: jax.Array, look: jax.Array, w: jax.Array, chain_lp: jax.Array
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The candidates [depth, k + 1] with the chain's token added as a last column (-inf off the chain;
-    -inf both ways when it is already a candidate or there is none), and their on-chain log-probs;
-    `chain_lp` [depth] is the drafter's log-prob of the chain's token (-inf: none)."""
-    depth = top_lp.shape[0]
-    look = chain.tokens[:, None]  # [depth, 1]
-    w = jnp.where(jnp.arange(depth) == 0, chain.first, chain.cont)[:, None]  # [depth, 1]
-    w = jnp.where(look >= 0, w, 0.0)
-    is_look = (top_tok == look) & (look >= 0)  # [depth, k]
+    """The candidate rows [rows, k + 1] with the chain's token added as a last column (-inf off the
+    chain; -inf both ways when it is already a candidate or there is none), and their on-chain
+    log-probs. Per row (a depth, or a parent of one depth): `look` the chain's token (-1: none), `w`
+    the chain's weight there, `chain_lp` the drafter's log-prob of the chain's token (-inf: none)."""
+    look = look[:, None]  # [rows, 1]
+    w = jnp.where(look >= 0, w[:, None], 0.0)  # [rows, 1]
+    is_look = (top_tok == look) & (look >= 0)  # [rows, k]
     extra = (look >= 0) & ~is_look.any(axis=1, keepdims=True)  # the chain's token is not a candidate
-    mixed = jnp.log((1.0 - w) * jnp.exp(top_lp) + jnp.where(is_look, w, 0.0))  # [depth, k]
+    mixed = jnp.log((1.0 - w) * jnp.exp(top_lp) + jnp.where(is_look, w, 0.0))  # [rows, k]
     on_lp = jnp.where(w > 0, mixed, top_lp)  # past the chain's end the drafter's own numbers, exactly
     neg_inf = jnp.float32(-jnp.inf)
-    top_tok = jnp.concatenate([top_tok, jnp.where(extra, look, -1)], axis=1)  # [depth, k + 1]
-    top_lp = jnp.concatenate([top_lp, jnp.full((depth, 1), neg_inf)], axis=1)
-    extra_lp = jnp.log(w + (1.0 - w) * jnp.exp(chain_lp)[:, None])  # [depth, 1] w + (1 - w) p
+    top_tok = jnp.concatenate([top_tok, jnp.where(extra, look, -1)], axis=1)  # [rows, k + 1]
+    top_lp = jnp.concatenate([top_lp, jnp.full((top_lp.shape[0], 1), neg_inf)], axis=1)
+    extra_lp = jnp.log(w + (1.0 - w) * jnp.exp(chain_lp)[:, None])  # [rows, 1] w + (1 - w) p
     on_lp = jnp.concatenate([on_lp, jnp.where(extra & (w > 0), extra_lp, neg_inf)], axis=1)  # w = 0: no chain
     return top_lp, top_tok, on_lp
 

@@ -151,3 +151,72 @@ def test_pair_candidates_hold_every_depths_top_m(chain):
                             np.concatenate([cand[keep], scores[r]]))
         got = set((ci * k + cj)[np.argsort(-cand, kind="stable")[:m]].tolist())
         assert got == want, (m, k)
+
+
+def per_parent_brute_force(root, shared, law, n_cond, m, top_k, ids=None, chain=None, first=0.0, cont=0.0):
+    """Every path whose children come from the parent's own row (`law[d, parent]` for d in
+    1..n_cond-1, the shared row `shared[d]` elsewhere; columns are token `ids`), each row's top-k plus
+    the chain's token, scored by the two-state rule of `lookup` (see `test_lookup.two_state_brute_force`);
+    the best m by (score desc, depth asc)."""
+    depth, vocab = shared.shape
+    ids = np.arange(vocab) if ids is None else np.asarray(ids)
+    col_of = {int(t): c for c, t in enumerate(ids)}
+    chain = [-1] * depth if chain is None else chain
+    paths = []
+
+    def rec(path, score, on, parent):
+        d = len(path)
+        if d == depth:
+            return
+        row = law[d, parent] if 1 <= d < n_cond else shared[d]
+        top = [int(ids[c]) for c in np.argsort(-row)[:top_k]]
+        cands = top + ([chain[d]] if chain[d] >= 0 and chain[d] not in top else [])
+        w = (first if d == 0 else cont) if chain[d] >= 0 else 0.0
+        for t in cands:
+            p = np.exp(row[col_of[t]]) if t in col_of else 0.0
+            if on and w > 0:
+                q = (1 - w) * (p if t in top or t == chain[d] else 0.0) + (w if t == chain[d] else 0.0)
+                s = np.log(q) if q > 0 else -np.inf
+            else:
+                s = row[col_of[t]] if t in top else -np.inf
+            if np.isfinite(s):
+                paths.append((score + s, path + (t,)))
+                rec(path + (t,), score + s, on and t == chain[d], t)
+
+    rec((), 0.0, True, root)
+    paths.sort(key=lambda x: (-x[0], len(x[1])))
+    return paths[:m]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_per_parent_tree_equals_brute_force(seed):
+    """Children drawn from each parent's own law (a conditioned head) for depths 2..n_cond, with and
+    without a lookup chain and a reduced vocabulary: the same nodes, order and scores as enumerating
+    every path."""
+    from bastion_jax.lookup import Chain
+
+    rng = np.random.default_rng(500 + seed)
+    depth, vocab = int(rng.integers(2, 5)), int(rng.integers(3, 6))
+    top_k = int(rng.integers(1, vocab + 1))
+    n_cond = int(rng.integers(0, depth + 1))
+    shared = random_lattice(rng, depth, vocab)
+    law = np.stack([random_lattice(rng, vocab, vocab) for _ in range(depth)])  # [depth, parent, vocab]
+    ids = rng.permutation(vocab) if seed % 2 else None
+    chain = first = cont = None
+    if seed % 3 == 0:
+        cut = int(rng.integers(1, depth + 1))
+        chain = rng.integers(0, vocab, depth).tolist()[:cut] + [-1] * (depth - cut)
+        first, cont = float(rng.uniform(0.1, 0.9)), float(rng.uniform(0.1, 0.9))
+    root = int(rng.integers(0, vocab))
+    ref = per_parent_brute_force(root, shared, law, n_cond, 400, top_k, ids, chain, first or 0.0, cont or 0.0)
+    n = int(rng.integers(2, len(ref) + 3))
+    c = None if chain is None else Chain(jnp.asarray(chain, jnp.int32), jnp.float32(first), jnp.float32(cont))
+    law_j = jnp.asarray(law)
+    tree = jax.jit(lambda r, lp, i, c: build_tree(r, lp, n, top_k, i, c, lambda d, parents: law_j[d][parents],
+                                                  n_cond))(
+        jnp.int32(root), jnp.asarray(shared), None if ids is None else jnp.asarray(ids, jnp.int32), c)
+    want = ref[: n - 1]
+    valid = np.asarray(tree.tokens)[1:] >= 0
+    assert valid.sum() == len(want)
+    assert node_paths(tree)[: len(want)] == [p for _, p in want]
+    np.testing.assert_allclose(np.asarray(tree.log_probs)[1:][valid], [s for s, _ in want], rtol=1e-5, atol=1e-5)
