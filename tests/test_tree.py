@@ -220,3 +220,16 @@ def test_per_parent_tree_equals_brute_force(seed):
     assert valid.sum() == len(want)
     assert node_paths(tree)[: len(want)] == [p for _, p in want]
     np.testing.assert_allclose(np.asarray(tree.log_probs)[1:][valid], [s for s, _ in want], rtol=1e-5, atol=1e-5)
+
+
+def test_per_parent_tree_keeps_the_last_parents_peaked_child():
+    """The pair bound is tight: with 3 nodes under the root, the second root child's only likely child
+    (path -1.06) beats the first child's flat children (-1.61) and must be kept: pair (1, 0), 1 + 0 = m - 2."""
+    shared = np.log(np.array([[0.6, 0.35, 0.05], [1 / 3, 1 / 3, 1 / 3]]))  # root children: 0, 1, 2
+    law = np.log(np.full((2, 3, 3), 1 / 3))
+    law[1, 1] = np.log([0.99, 0.005, 0.005])  # token 1's child 0 is near certain
+    law_j = jnp.asarray(law)
+    tree = build_tree(jnp.int32(2), jnp.asarray(shared), 4, 3, None, None, lambda d, p: law_j[d][p], 2)
+    assert node_paths(tree) == [(0,), (1,), (1, 0)]
+    ref = per_parent_brute_force(2, shared, law, 2, 3, 3)
+    assert [p for _, p in ref] == node_paths(tree)
