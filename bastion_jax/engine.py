@@ -47,6 +47,14 @@ class GenerationError(ValueError):
     """A request the engine cannot serve (e.g. prompt longer than the cache)."""
 
 
+def default_cond_depths() -> int:
+    """Tree depths whose children come from each parent's own law when the drafter ships a conditioned
+    head (`tree.build_tree`). On CPU none: the per-parent laws of a 64-node tree cost more there than
+    the acceptance they add (see docs/architecture.md); elsewhere the first 4 (a few small kernels per
+    depth beside the target's verify)."""
+    return 0 if jax.default_backend() == "cpu" else 4
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -94,7 +102,8 @@ class Engine:
                  block_size: int | None = None, mask_token_id: int = 0,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, top_k: int = 128,
                  latency: LatencyModel | None = None, draft_vocab: DraftVocab | str | int | None = "auto",
-                 lookup: LookupConfig | None = LookupConfig(), datastore: Datastore | str | None = "auto"):
+                 lookup: LookupConfig | None = LookupConfig(), datastore: Datastore | str | None = "auto",
+                 cond_depths: int | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -124,11 +133,21 @@ class Engine:
         if isinstance(draft_vocab, DraftVocab) and draft_vocab.cond_table is None:
             draft_vocab = draft_vocab.with_head(drafter)  # a conditioned head's table, made once here
         self.draft_vocab = draft_vocab
+        has_head = drafter is not None and drafter.config.cond_head_rank > 0
+        if cond_depths is None:
+            cond_depths = default_cond_depths() if has_head else 0
+        if not 0 <= cond_depths < max(block_size or 0, 1):
+            raise GenerationError(f"cond_depths must be in [0, block size - 1 = {(block_size or 1) - 1}], got {cond_depths}")
+        if cond_depths >= 2 and not has_head:
+            raise GenerationError("cond_depths draws tree children from a conditioned head; this drafter has none "
+                                  "(cond_head.json)")
+        self.cond_depths = cond_depths
         self.lookup = lookup
         self.datastore = resolve_datastore(datastore, target, drafter, lookup)
         self.executables = Executables(target, drafter, proposal=proposal, block_size=block_size,
                                        mask_token_id=mask_token_id, buckets=self.buckets, top_k=top_k,
-                                       draft_vocab=draft_vocab, lookup=lookup, store=self.datastore)
+                                       draft_vocab=draft_vocab, lookup=lookup, store=self.datastore,
+                                       cond_depths=cond_depths)
         # Per batch size, the draft gate's estimates, kept across requests (a batch's curves are its last
         # rows': `controller.batch_curve`, not one row's).
         self._gate_memory: dict[int, dict] = {}

@@ -23,7 +23,7 @@ from flax import nnx, struct
 
 from bastion_jax.decoding import prefill_target
 from bastion_jax.modeling.cache import KVCache, causal_mask
-from bastion_jax.modeling.cond_head import head_table, spine_logits
+from bastion_jax.modeling.cond_head import head_law, head_table, spine_logits
 from bastion_jax.modeling.layers import project
 from bastion_jax.sampling import argmax, sample
 from bastion_jax.step_config import Proposal, StepConfig
@@ -128,14 +128,16 @@ def head_logits(target, hidden: jax.Array, draft_vocab: Optional[DraftVocab] = N
 def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array | None,
                  ctx_len: jax.Array, root: jax.Array, *, block_size: int, mask_token_id: int,
                  proposal: Optional[Proposal], draft_vocab: Optional[DraftVocab] = None,
-                 active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                 active: jax.Array | None = None, with_law: bool = False):
     """Inject `features` [b, C, F] (first ctx_len real) at ctx_start, then draft the block after `root`.
     `ctx_start` None: the drafter cache is empty (a prefill), the features go to slot 0.
 
     Returns the per-position logits [b, B-1, vocab] (slot k predicts position s + k, s = root's
     position; over `draft_vocab`'s N tokens when given) and the drafter cache holding context for
-    positions [0, s).
+    positions [0, s); with `with_law`, also the conditioned head's `HeadLaw` (None without a head),
+    from which a tree takes each parent's own law.
     """
+    law = None
     b = root.shape[0]
     block = jnp.concatenate([root[:, None], jnp.full((b, block_size - 1), mask_token_id, jnp.int32)], axis=1)
     if drafter is not None:
@@ -146,13 +148,14 @@ def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, c
             table = draft_vocab.cond_table if draft_vocab is not None else None
             if table is None:
                 table = head_table(drafter.cond_head, partial(head_logits, target, draft_vocab=draft_vocab))
-            logits = spine_logits(drafter.cond_head, hidden[:, 1:], logits, root, target.embed_tokens, table,
-                                  draft_vocab.ids if draft_vocab is not None else None)
+            law = head_law(drafter.cond_head, hidden[:, 1:], logits, target.embed_tokens.weight[...], table)
+            logits = spine_logits(law, root, draft_vocab.ids if draft_vocab is not None else None)
     else:
         logits = jnp.zeros((b, block_size - 1, target.config.vocab_size), jnp.float32)
     if proposal is not None:
         logits = proposal(root, ctx_len if ctx_start is None else ctx_start + ctx_len, logits)
-    return logits, drafter_cache
+        law = None
+    return (logits, drafter_cache, law) if with_law else (logits, drafter_cache)
 
 
 @partial(jax.jit, static_argnums=0)

@@ -37,6 +37,9 @@ class StepConfig:
     buckets: tuple[int, ...] = (1,)  # tree sizes a tree step can verify (the tree holds max(buckets) nodes)
     top_k: int = 1  # tree width: children considered per node
     lookup: Optional[LookupConfig] = None  # context-lookup chain in every draft tree (see `lookup.py`); None: off
+    # Tree depths 2..cond_depths take each parent's own law from the drafter's conditioned head
+    # (`tree.build_tree`'s child_law); 0: the spine's laws for every depth (and always without a head).
+    cond_depths: int = 0
 
     def __hash__(self) -> int:
         """Computed once: hashing a GraphDef walks the whole module graph (~2 ms at SmolLM2), and the
@@ -51,7 +54,7 @@ class StepConfig:
     def of(cls, target, drafter=None, *, sampling: SamplingConfig = SamplingConfig(),
            buckets: Sequence[int] = (1,), top_k: int = 1, proposal: Optional[Proposal] = None,
            block_size: Optional[int] = None, mask_token_id: int = 0,
-           lookup: Optional[LookupConfig] = None) -> "StepConfig":
+           lookup: Optional[LookupConfig] = None, cond_depths: int = 0) -> "StepConfig":
         """The config for a loaded target (and drafter): block size, mask token and taps come from the
         drafter's config when there is one (`block_size` / `mask_token_id` serve a drafter-less
         proposal)."""
@@ -61,4 +64,5 @@ class StepConfig:
                    greedy=sampling.greedy, block_size=block_size or 0, mask_token_id=mask_token_id,
                    tap_layers=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
                    proposal=proposal, buckets=tuple(sorted(set(int(b) for b in buckets))), top_k=top_k,
-                   lookup=lookup)
+                   lookup=lookup,
+                   cond_depths=cond_depths if drafter is not None and drafter.config.cond_head_rank else 0)

@@ -20,6 +20,7 @@ from bastion_jax.datastore import Datastore
 from bastion_jax.decoding import prefill_target
 from bastion_jax.lookup import Chain, LookupState, advance, chain_curve, init_state
 from bastion_jax.modeling.cache import KVCache, append_rows, causal_mask, write_rows
+from bastion_jax.modeling.cond_head import HeadLaw, child_log_probs
 from bastion_jax.sampling import argmax, sample
 from bastion_jax.speculative import DraftVocab, StepOutput, draft_logits, merge_models
 from bastion_jax.step_config import StepConfig
@@ -73,23 +74,33 @@ def held_tree(root: jax.Array, like: Tree, chain: Optional[Chain]) -> Tree:
 
 def _next_tree(cfg: StepConfig, target, drafter, drafter_cache, features, ctx_start, ctx_len, root, draft_vocab=None,
                active=None, chain: Optional[Chain] = None):
-    logits, drafter_cache = draft_logits(target, drafter, drafter_cache, features, ctx_start, ctx_len, root,
-                                         block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                                         proposal=cfg.proposal, draft_vocab=draft_vocab, active=active)
+    logits, drafter_cache, law = draft_logits(target, drafter, drafter_cache, features, ctx_start, ctx_len, root,
+                                              block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                                              proposal=cfg.proposal, draft_vocab=draft_vocab, active=active,
+                                              with_law=True)
     ids = draft_vocab.ids if draft_vocab is not None else None  # columns of a reduced vocabulary -> token ids
-    tree, curve = _trees(cfg.buckets, cfg.top_k, root, logits, ids, chain)
+    if cfg.cond_depths < 2:
+        law = None
+    tree, curve = _trees(cfg.buckets, cfg.top_k, cfg.cond_depths if law is not None else 0, root, logits, ids, chain,
+                         law)
     return tree, curve, drafter_cache
 
 
-@partial(jax.jit, static_argnums=(0, 1))
-def _trees(buckets: tuple[int, ...], top_k: int, root: jax.Array, logits: jax.Array, ids: Optional[jax.Array],
-           chain: Optional[Chain]) -> tuple[Tree, jax.Array]:
+@partial(jax.jit, static_argnums=(0, 1, 2))
+def _trees(buckets: tuple[int, ...], top_k: int, cond_depths: int, root: jax.Array, logits: jax.Array,
+           ids: Optional[jax.Array], chain: Optional[Chain], law: Optional[HeadLaw]) -> tuple[Tree, jax.Array]:
     """Every row's best-first tree from the draft's logits [b, B-1, vocab or N], and its surrogate
-    curve [b, n_buckets]. A nested jit, like `lookup.current_chain`: traced and lowered once per
-    program instead of in each drafting step (XLA inlines it)."""
+    curve [b, n_buckets]; with a conditioned head's `law`, depths 2..cond_depths from each parent's
+    own law. A nested jit, like `lookup.current_chain`: traced and lowered once per program instead
+    of in each drafting step (XLA inlines it)."""
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [b, B-1, vocab or N]
-    tree = jax.vmap(build_tree, in_axes=(0, 0, None, None, None, 0 if chain is not None else None))(
-        root, log_probs, max(buckets), top_k, ids, chain)
+
+    def one(root: jax.Array, lp: jax.Array, chain: Optional[Chain], law: Optional[HeadLaw]) -> Tree:
+        child = partial(child_log_probs, law) if law is not None else None
+        return build_tree(root, lp, max(buckets), top_k, ids, chain, child, cond_depths)
+
+    law_axes = HeadLaw(0, 0, None, None, None) if law is not None else None
+    tree = jax.vmap(one, in_axes=(0, 0, 0 if chain is not None else None, law_axes))(root, log_probs, chain, law)
     return tree, jax.vmap(surrogate_curve, in_axes=(0, None))(tree, buckets)
 
 

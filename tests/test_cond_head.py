@@ -14,7 +14,7 @@ from bastion_jax.checkpoints import CheckpointError, LoadedDrafter, convert, loa
 from bastion_jax.checkpoints.dflash import export_zlab
 from bastion_jax.engine import Engine
 from bastion_jax.modeling.cache import KVCache
-from bastion_jax.modeling.cond_head import head_table, spine_logits
+from bastion_jax.modeling.cond_head import child_log_probs, head_law, head_table, spine_logits
 from bastion_jax.speculative import DraftVocab, draft_logits, head_logits
 from bastion_jax.testing import tiny_drafter_config
 
@@ -75,8 +75,8 @@ def test_spine_logits_match_brute_force(pair, reduced):
     vocab = DraftVocab.from_ranking(loaded, np.random.default_rng(0).permutation(target.config.vocab_size), 40) \
         if reduced else None
     lm = (lambda x: head_logits(target, x, vocab))
-    got = spine_logits(head, hidden, lm(hidden), root, target.embed_tokens, head_table(head, lm),
-                       vocab.ids if reduced else None)
+    law = head_law(head, hidden, lm(hidden), target.embed_tokens.weight[...], head_table(head, lm))
+    got = spine_logits(law, root, vocab.ids if reduced else None)
     emb = np.asarray(loaded.state["embed_tokens"]["weight"][...])
     for r in range(b):
         prev = int(root[r])
@@ -87,6 +87,15 @@ def test_spine_logits_match_brute_force(pair, reduced):
             best = int(np.argmax(want))
             prev = int(vocab.ids[best]) if reduced else best
     assert not np.allclose(np.asarray(got), np.asarray(lm(hidden)), atol=1e-2)  # the head does change the laws
+    # A tree's per-parent law: slot k given each of several parents, as the head run on the full state.
+    parents = jnp.array([0, 7, 40, 95])
+    row = jax.tree.map(lambda x: x[1], law._replace(w_embed=None, embed=None, table=None))
+    row = row._replace(w_embed=law.w_embed, embed=law.embed, table=law.table)
+    for k in range(depth):
+        got_k = np.asarray(child_log_probs(row, k, parents))  # [4, N]
+        for i, p in enumerate(np.asarray(parents)):
+            want = jax.nn.log_softmax(lm(head(hidden[1, k], jnp.asarray(emb[p]))[None])[0])
+            np.testing.assert_allclose(got_k[i], np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -102,13 +111,24 @@ def test_decoding_with_a_head_equals_ar(pair, dtype, tmp_path):
     d = LoadedDrafter(grown.config, grown.graphdef, jax.tree.map(lambda a: a.astype(dtype), grown.state))
     prompts = [[5, 9, 11, 40], [7, 7, 8, 30, 31, 2]]
     ranking = np.random.default_rng(1).permutation(target.config.vocab_size)
-    for vocab in (None, DraftVocab.from_ranking(target, ranking, 48)):
-        engine = Engine(target, drafter=d, stop_ids=[-1], buckets=(1, 4, 8), top_k=4, draft_vocab=vocab)
+    for vocab, cond_depths in ((None, 0), (DraftVocab.from_ranking(target, ranking, 48), 0),
+                               (DraftVocab.from_ranking(target, ranking, 48), 3)):
+        engine = Engine(target, drafter=d, stop_ids=[-1], buckets=(1, 4, 8), top_k=4, draft_vocab=vocab,
+                        cond_depths=cond_depths)
         if vocab is not None:
             assert engine.draft_vocab.cond_table is not None  # made once, not in every step
         ar = engine.generate(prompts, max_new_tokens=24, mode="ar").tokens
-        for mode in ("dflash", "fixed:4", "bastion"):
+        modes = ("dflash", "fixed:4", "bastion") if cond_depths == 0 else ("fixed:8", "bastion")
+        for mode in modes:
             assert engine.generate(prompts, max_new_tokens=24, mode=mode).tokens == ar, (mode, vocab is None)
+
+
+def test_cond_depths_are_checked(pair):
+    target, drafter = pair
+    with pytest.raises(Exception, match="this drafter has none"):
+        Engine(target, drafter=drafter, stop_ids=[-1], cond_depths=3)
+    with pytest.raises(Exception, match=r"cond_depths must be in \[0, block size - 1 = 3\], got 4"):
+        Engine(target, drafter=with_head(drafter, 4, seed=0), stop_ids=[-1], cond_depths=4)
 
 
 def test_head_files_round_trip_and_refusals(pair, tmp_path, capsys):
@@ -200,3 +220,35 @@ def test_a_head_trained_on_a_frozen_drafter_walks_as_decoding_does(pair, tmp_pat
             committed, steps = committed + st.new_tokens - 1, steps + st.steps
         taus.append(committed / steps)
     assert taus[0] > taus[1] + 0.1, taus  # the head drafts what the frozen random drafter could not
+
+
+def test_a_steps_tree_takes_each_parents_own_law(pair):
+    """`tree_decoding._trees` with a head's law and cond_depths 3: the nodes and scores of enumerating
+    every path whose depth-2..3 children come from the parent's own law (the head run per parent)."""
+    from test_tree import node_paths, per_parent_brute_force
+
+    from bastion_jax.tree_decoding import _trees
+
+    loaded, drafter = pair
+    grown = with_head(drafter, 6, seed=8, scale=3.0)
+    head = nnx.merge(grown.graphdef, grown.state).cond_head
+    target = nnx.merge(loaded.graphdef, loaded.state)
+    depth, vocab = BLOCK - 1, loaded.config.vocab_size
+    hidden = jax.random.normal(jax.random.key(2), (2, depth, loaded.config.hidden_size))
+    lm = (lambda x: head_logits(target, x))
+    law = head_law(head, hidden, lm(hidden), target.embed_tokens.weight[...], head_table(head, lm))
+    law = law._replace(w_embed=law.w_embed * 300.0)  # (the tiny target's embeddings are small: make parents matter)
+    root = jnp.array([3, 50])
+    logits = spine_logits(law, root, None)
+    n, top_k = 9, 2
+    tree, _ = _trees((1, 4, n), top_k, 3, root, logits, None, None, law)
+    plain, _ = _trees((1, 4, n), top_k, 0, root, logits, None, None, None)
+    for r in range(2):
+        row = law._replace(a=law.a[r], base=law.base[r])
+        table = np.stack([np.asarray(child_log_probs(row, d, jnp.arange(vocab))) for d in range(depth)])
+        shared = np.asarray(jax.nn.log_softmax(logits[r], axis=-1))
+        ref = per_parent_brute_force(int(root[r]), shared, table, 3, n - 1, top_k)
+        one = jax.tree.map(lambda x: x[r], tree)
+        assert node_paths(one) == [p for _, p in ref]
+        np.testing.assert_allclose(np.asarray(one.log_probs)[1:], [s for s, _ in ref], rtol=1e-4, atol=1e-4)
+        assert node_paths(one) != node_paths(jax.tree.map(lambda x: x[r], plain))  # (the laws matter here)

@@ -23,7 +23,7 @@ rank-sized u_k, one slot after another.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,24 +59,49 @@ def head_table(head: CondHead, lm_head: Callable[[jax.Array], jax.Array]) -> jax
     return lm_head(head.fc2.weight[...].T.astype(jnp.float32)).T  # [rank, N] -> [N, rank]
 
 
-def spine_logits(head: CondHead, hidden: jax.Array, base: jax.Array, root: jax.Array,
-                 embed: Callable[[jax.Array], jax.Array], table: jax.Array, ids: jax.Array | None) -> jax.Array:
-    """Every slot's logits conditioned on the drafted token before it.
+class HeadLaw(NamedTuple):
+    """What a block's conditioned laws need, computed once per drafting call: slot k's law given a
+    previous token x is log_softmax(base[k] + table silu(a[k] + W1e e(x))). Batched over rows in `a`
+    and `base`; the rest is shared."""
 
-    hidden: [b, D, h] slots 1..D's hidden states; base: [b, D, N] their logits without the head (H h);
-    root: [b] the block's root (target id); embed: target ids [b] -> embeddings [b, h]; table: [N, rank]
-    (`head_table`); ids: [N] target ids of the N columns (a reduced draft vocabulary), None when the
-    columns are the ids. Returns [b, D, N] float32: slot 1 given the root, slot k given slot k-1's
-    argmax under its own conditioned law (the spine a greedy chain drafts)."""
+    a: jax.Array  # [b, D, rank] fc1's hidden columns times each slot's hidden state, + bias
+    base: jax.Array  # [b, D, N] float32 logits without the head (H h)
+    w_embed: jax.Array  # [rank, h] fc1's embedding columns
+    embed: jax.Array  # [V, h] the target's embedding table
+    table: jax.Array  # [N, rank] (`head_table`)
+
+
+def head_law(head: CondHead, hidden: jax.Array, base: jax.Array, embed: jax.Array, table: jax.Array) -> HeadLaw:
+    """hidden: [b, D, h] slots 1..D's hidden states; base: [b, D, N] their logits without the head;
+    embed: [V, h] the target's embedding table; table: [N, rank]."""
     w_h, w_e = head.split_fc1()
-    a = project("...h,rh->...r", hidden, w_h) + head.fc1.bias[...]  # [b, D, rank]: the hidden part, all slots at once
+    a = project("...h,rh->...r", hidden, w_h) + head.fc1.bias[...]  # [b, D, rank]: every slot at once
+    return HeadLaw(a, base.astype(jnp.float32), w_e, embed, table)
 
-    def slot(prev: jax.Array, xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        a_k, base_k = xs  # [b, rank], [b, N]
-        u = jax.nn.silu(a_k + project("...h,rh->...r", embed(prev), w_e))  # [b, rank]
-        logits = base_k.astype(jnp.float32) + project("...r,nr->...n", u, table, jnp.float32)  # [b, N]
+
+def conditioned_logits(law: HeadLaw, slot: jax.Array, prev: jax.Array) -> jax.Array:
+    """Logits [..., N] of slot `slot` (0-based: slot 1 is 0) given previous target ids `prev` [...],
+    for one row's law (`a` [D, rank], `base` [D, N]): H h + table silu(a + W1e e(prev))."""
+    u = jax.nn.silu(law.a[slot] + project("...h,rh->...r", jnp.take(law.embed, prev, axis=0), law.w_embed))
+    return law.base[slot] + project("...r,nr->...n", u, law.table, jnp.float32)
+
+
+def child_log_probs(law: HeadLaw, slot: jax.Array, parents: jax.Array) -> jax.Array:
+    """One row's law of slot `slot` for each parent token [m] -> log-probs [m, N] (`tree.build_tree`'s
+    `child_law`: the children of depth slot + 1 drawn from each kept parent's own law)."""
+    return jax.nn.log_softmax(conditioned_logits(law, slot, parents), axis=-1)
+
+
+def spine_logits(law: HeadLaw, root: jax.Array, ids: jax.Array | None) -> jax.Array:
+    """Every slot's logits [b, D, N] float32 conditioned on the drafted token before it: slot 1 given
+    the root [b] (target ids), slot k given slot k-1's argmax under its own conditioned law (the spine
+    a greedy chain drafts); `ids` [N] maps columns to target ids (a reduced draft vocabulary; None:
+    the column is the id)."""
+
+    def slot(prev: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logits = jax.vmap(conditioned_logits, in_axes=(HeadLaw(0, 0, None, None, None), None, 0))(law, k, prev)
         best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b] column
-        return (best if ids is None else ids[best]), logits
+        return (best if ids is None else ids[best]), logits  # [b], [b, N]
 
-    _, logits = jax.lax.scan(slot, root.astype(jnp.int32), (jnp.moveaxis(a, 1, 0), jnp.moveaxis(base, 1, 0)))
+    _, logits = jax.lax.scan(slot, root.astype(jnp.int32), jnp.arange(law.a.shape[1]))
     return jnp.moveaxis(logits, 0, 1)  # [b, D, N]
