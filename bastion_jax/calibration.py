@@ -11,12 +11,14 @@ from __future__ import annotations
 import time
 
 
-def calibration_model(target, drafter, draft_vocab=None, lookup: bool = True, datastore=None) -> str:
+def calibration_model(target, drafter, draft_vocab=None, lookup: bool = True, datastore=None,
+                      cond_depths: int = 0) -> str:
     """The models part of the calibration key: the target's and the drafter's files as they resolve on
     disk (`model_identity`), so `generate` and `profile --install` agree however a path is spelled,
     the target's layer layout, the draft vocabulary's size (it sets the price of a draft) and
     whether the context lookup runs in the tree steps (`--lookup off` steps cost less), and with a
-    datastore of how many tokens (its search is part of every step)."""
+    datastore of how many tokens (its search is part of every step), and the drafter's conditioned head
+    (its rank and the tree depths drawn per parent: both price a draft)."""
     from bastion_jax.latency import model_identity
 
     t = model_identity(target.path) if target.path is not None else "in-memory target"
@@ -26,6 +28,8 @@ def calibration_model(target, drafter, draft_vocab=None, lookup: bool = True, da
         return f"{t}|none"
     d = model_identity(drafter.path) if drafter.path is not None else "random"
     store = f"|datastore {int(datastore.tokens.shape[0])}" if datastore is not None else ""
+    if drafter.config.cond_head_rank:
+        d += f"|cond-head {drafter.config.cond_head_rank} x{cond_depths}"
     return with_lookup(f"{t}|{d}" + (f"|draft-vocab {int(draft_vocab.ids.shape[0])}" if draft_vocab is not None
                                      else "") + store, lookup)
 

@@ -97,6 +97,25 @@ def add_sampling_flags(parser, *, temperature_help: str = "", seed_help: str = "
     parser.add_argument("--seed", type=int, default=0, help=seed_help)
 
 
+def add_cond_head_flags(parser) -> None:
+    """--cond-head on|off and --cond-depths: how a drafter's conditioned head (`cond_head.json`) drafts."""
+    parser.add_argument("--cond-head", default="on", choices=["on", "off"], help="use the drafter's "
+                        "parent-conditioned head when one ships beside it (cond_head.json: each slot drafted given "
+                        "the drafted token before it). Default on; off drafts with the plain DFlash drafter")
+    parser.add_argument("--cond-depths", default="auto", help="tree depths 2..N take each parent's own law from "
+                        "the head (auto: none on CPU, where it costs more than it adds; 4 elsewhere; 0: none)")
+
+
+def resolve_cond_depths(flag: str) -> int | None:
+    """A --cond-depths value: None (the engine's default) or a depth count."""
+    if flag == "auto":
+        return None
+    try:
+        return int(flag)
+    except ValueError:
+        raise ValueError(f"--cond-depths must be auto or a number of depths, got {flag!r}") from None
+
+
 def add_lookup_flag(parser) -> None:
     parser.add_argument("--lookup", default="on", choices=["on", "off"], help=LOOKUP_HELP)
     parser.add_argument("--datastore", default="auto", help=DATASTORE_HELP)

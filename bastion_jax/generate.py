@@ -8,8 +8,8 @@ import sys
 import time
 
 from bastion_jax.calibration import calibration_model, load_or_calibrate
-from bastion_jax.cli import (add_lookup_flag, add_sampling_flags, dtype_note, fail, positive_int, resolve_dtype,
-                             resolve_lookup, stderr_log, use_compilation_cache)
+from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, add_sampling_flags, dtype_note, fail, positive_int,
+                             resolve_cond_depths, resolve_dtype, resolve_lookup, stderr_log, use_compilation_cache)
 
 DEFAULT_PROMPT_HELP = "With no --target, the embedded SmolLM2-135M-Instruct is used."
 DEFAULT_BLOCK_SIZE = 16  # of a --drafter random
@@ -40,9 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", default="auto", help="drafter LM head restricted to the N most frequent "
                    "target tokens (FR-Spec; the ranking ships beside the drafter as vocab_ranking.npy): auto (8192 "
                    "when the drafter has a ranking), full, or N. Output is unchanged: verification uses every token")
-    p.add_argument("--cond-head", default="on", choices=["on", "off"], help="use the drafter's parent-conditioned "
-                   "head when one ships beside it (cond_head.json; each slot drafted given the drafted token before "
-                   "it). Default on; off drafts with the plain DFlash drafter")
+    add_cond_head_flags(p)
     add_lookup_flag(p)
     p.add_argument("--tree-top-k", type=int, default=128,
                    help="tree width: drafter candidates per block position when building trees (default 128, "
@@ -191,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         elif draft_vocab is not None:
             log(f"draft vocabulary: the {draft_vocab.ids.shape[0]} most frequent tokens (--draft-vocab full: all)")
         engine = Engine(target, tokenizer, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
-                        draft_vocab=draft_vocab, lookup=resolve_lookup(args.lookup), datastore=args.datastore)
+                        draft_vocab=draft_vocab, lookup=resolve_lookup(args.lookup), datastore=args.datastore,
+                        cond_depths=resolve_cond_depths(args.cond_depths))
         if engine.datastore is not None and policy.uses_tree:
             log(f"datastore: {engine.datastore.tokens.shape[0]:,} target-written tokens for the lookup's chains "
                 "(--datastore off: the context's chains only)")
@@ -201,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                                          engine.slack(policy))
         if policy.kind == "bastion":  # (a batch's steps are profiled and saved at its own size)
             model = calibration_model(target, drafter, engine.draft_vocab, lookup=engine.lookup is not None,
-                                      datastore=engine.datastore)
+                                      datastore=engine.datastore, cond_depths=engine.cond_depths)
             load_or_calibrate(engine, model, cache_len, sampling, args.no_calibrate, log,
                               prefill_bucket(max(len(x) for x in ids), cache_len), batch=len(ids),
                               refresh=args.recalibrate)

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from bastion_jax.cli import add_lookup_flag, fail, resolve_lookup, stderr_log
+from bastion_jax.cli import add_cond_head_flags, add_lookup_flag, fail, resolve_cond_depths, resolve_lookup, stderr_log
 from bastion_jax.controller import DEFAULT_BUCKETS, PolicyError, parse_buckets
 from bastion_jax.profile_report import device_meta, markdown, write_outputs
 from bastion_jax.profiler import run_profile
@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", default="auto", help="drafter LM head over the N most frequent tokens: auto, "
                    "full or N (as in generate; part of the calibration key)")
     add_lookup_flag(p)
+    add_cond_head_flags(p)
     p.add_argument("--tree-top-k", type=int, default=128, help="tree width: drafter candidates per position "
                    "(default 128, as `generate`; part of the calibration key)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per cell (median; default 5)")
@@ -192,16 +193,20 @@ def setup(args, log=lambda msg: None) -> Setup:
             drafter = random_drafter(tiny_drafter_config(target.config, block_size=args.block_size or 16),
                                      target.dtype, args.seed)
         else:
-            drafter = load_drafter(drafter_arg, target.config, target.dtype)
+            drafter = load_drafter(drafter_arg, target.config, target.dtype,
+                                   cond_head=getattr(args, "cond_head", "on") == "on")
         cache_len = plan_cache_len(contexts, buckets, drafter.config.block_size,
                                    target.config.max_position_embeddings, args.max_len)
         label = (Path(args.target).name.split(".")[0] or "target") + ("-scanned" if target.config.scan_layers else "")
         draft_vocab = resolve_draft_vocab(target, drafter, getattr(args, "draft_vocab", "auto"))
         datastore = resolve_datastore(getattr(args, "datastore", "auto"), target, drafter, lookup)
-        # what `generate` computes for the same pair and flags
-        model_name = calibration_model(target, drafter, draft_vocab, lookup=lookup is not None, datastore=datastore)
+        model_name = None
     engine = Engine(target, None, drafter=drafter, stop_ids=[], buckets=buckets, top_k=args.tree_top_k,
-                    draft_vocab=draft_vocab, lookup=lookup, datastore=datastore)
+                    draft_vocab=draft_vocab, lookup=lookup, datastore=datastore,
+                    cond_depths=resolve_cond_depths(getattr(args, "cond_depths", "auto")))
+    if model_name is None:  # what `generate` computes for the same pair and flags
+        model_name = calibration_model(target, drafter, engine.draft_vocab, lookup=lookup is not None,
+                                       datastore=datastore, cond_depths=engine.cond_depths)
     if args.peaks == "measure":
         copy_bytes = args.copy_mib << 20 if args.copy_mib else None
         log("measuring copy bandwidth and matmul rate")

@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from bastion_jax.cli import add_lookup_flag, fail, positive_int, resolve_lookup, stderr_log, use_compilation_cache
+from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, fail, positive_int, resolve_cond_depths, resolve_lookup,
+                             stderr_log, use_compilation_cache)
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEFAULT_SOURCES = ("gsm8k_train.jsonl.gz", "code_alpaca_2k.jsonl.gz")
@@ -151,8 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_lookup_flag(e)
     e.add_argument("--tree-top-k", type=int, default=128)
     e.add_argument("--draft-vocab", default="auto", help="as generate --draft-vocab (auto, full or N)")
-    e.add_argument("--cond-head", default="on", choices=["on", "off"], help="as generate --cond-head: the "
-                   "drafter's conditioned head, if it ships one (off: the plain drafter, for an A/B)")
+    add_cond_head_flags(e)
     e.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default 8)")
     e.add_argument("--no-chat", action="store_true", help="prompts as plain text (no chat template)")
     e.add_argument("--out", help="also write the report to OUT.json and OUT.md")
@@ -340,7 +340,8 @@ def run_eval(args, target, log) -> None:
     buckets = parse_buckets(args.buckets)
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
                     draft_vocab=args.draft_vocab,
-                    lookup=resolve_lookup(args.lookup), datastore=args.datastore)
+                    lookup=resolve_lookup(args.lookup), datastore=args.datastore,
+                    cond_depths=resolve_cond_depths(args.cond_depths))
     sets = {}
     for spec in args.prompts:
         path = resolve_prompt_file(spec)

@@ -20,7 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-from bastion_jax.cli import add_lookup_flag, add_sampling_flags, use_compilation_cache
+from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, add_sampling_flags, resolve_cond_depths,
+                             use_compilation_cache)
 from bastion_jax.acceptance import STANDARD_SETS, PromptError, read_prompts, resolve_prompt_file
 from benchmarks.report import commit, markdown_table, per_set, plot, write_csv
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab", default="auto", help="drafter LM head over the N most frequent tokens: auto, "
                    "full or N (see python -m bastion_jax.generate --help)")
     add_lookup_flag(p)
+    add_cond_head_flags(p)
     p.add_argument("--tree-top-k", type=int, default=128, help="tree width: drafter candidates per position "
                    "(default 128)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -122,12 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.drafter == "random":
         drafter = random_drafter(tiny_drafter_config(target.config, block_size=args.block_size or 16), target.dtype)
     else:
-        drafter = load_drafter(args.drafter, target.config, target.dtype)
+        drafter = load_drafter(args.drafter, target.config, target.dtype, cond_head=args.cond_head == "on")
     buckets = parse_buckets(args.buckets)
 
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
                     draft_vocab=args.draft_vocab,
-                    lookup=resolve_lookup(args.lookup), datastore=args.datastore)
+                    lookup=resolve_lookup(args.lookup), datastore=args.datastore,
+                    cond_depths=resolve_cond_depths(args.cond_depths))
     modes = ["ar", "dflash"] + [f"fixed:{n}" for n in parse_buckets(args.fixed)] + ["bastion"]
     if max(buckets) >= 32:
         modes.append("bastion-paper")
