@@ -214,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
             "prompts": len(prompts), "batch": args.batch, "lookup": args.lookup,
             "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                          "seed": args.seed},
-            "reps": args.reps, "commit": commit()}
+            "reps": args.reps, "commit": commit(),
+            "cond_head_rank": drafter.config.cond_head_rank if drafter is not None else 0,
+            "cond_depths": engine.cond_depths}
     training = Path(args.drafter) / "training.json"
     if training.is_file():  # how the drafter was trained travels with its numbers
         meta["drafter_training"] = json.loads(training.read_text())
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# {args.name}", "", f"{meta['device']}, {meta['date']}, {meta['dtype']}, drafter {args.drafter}, "
              f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, {sampling_words(sampling)}, "
              f"context lookup {args.lookup}"
+             + (f", conditioned head of rank {meta['cond_head_rank']} (per-parent depths {meta['cond_depths']})"
+                if meta["cond_head_rank"] else (", conditioned head off" if args.cond_head == "off" else ""))
              + (f", batches of {args.batch} prompts" if args.batch > 1 else "")
              + (f", median-time run of {args.reps} per mode and prompt" if args.reps > 1 else ""), "",
              "| mode | tau | tokens/s | ratio to AR | identical to AR | buckets |", "|---|---|---|---|---|---|"]
