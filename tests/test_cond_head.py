@@ -152,6 +152,16 @@ def test_head_files_round_trip_and_refusals(pair, tmp_path, capsys):
     assert "unused tensor" not in capsys.readouterr().err
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(again.state), nnx.to_pure_dict(grown.state))
 
+    # a head beside another drafter (same shapes) is refused, not used to draft worse
+    import shutil
+
+    other = export_zlab(drafter.config, random_drafter(drafter.config, seed=12).state, tmp_path / "other", jnp.float32)
+    for name in ("cond_head.json", "cond_head.safetensors"):
+        shutil.copy(out / name, other / name)
+    with pytest.raises(CheckpointError, match="trained on another drafter's hidden states"):
+        load_drafter(other, target.config, jnp.float32)
+    assert load_drafter(other, target.config, jnp.float32, cond_head=False).config.cond_head_rank == 0
+
     meta_bad = dict(meta, hidden_size=meta["hidden_size"] + 1)
     (out / "cond_head.json").write_text(json.dumps(meta_bad))
     with pytest.raises(CheckpointError, match="does not fit this drafter"):

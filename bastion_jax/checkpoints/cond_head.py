@@ -3,8 +3,10 @@
 A z-lab DFlash checkpoint (config.json + model.safetensors) stays exactly that: other DFlash code
 reads it unchanged. The head lives beside it in `cond_head.safetensors` (`fc1.weight` [rank, 2h],
 `fc1.bias` [rank], `fc2.weight` [h, rank]) and `cond_head.json` (`rank`, `hidden_size`, how it was
-trained). Every file is checked against the drafter before anything is kept: a head of another
-width or a truncated file is refused in one line, never broadcast or ignored.
+trained, and a fingerprint of the drafter it was trained on). Every file is checked against the
+drafter before anything is kept: a head of another width, a truncated file or a head trained on
+another drafter's hidden states (same shapes, so it would load and quietly draft worse) is refused
+in one line, never broadcast or ignored.
 """
 
 from __future__ import annotations
@@ -23,6 +25,18 @@ HEAD_WEIGHTS = "cond_head.safetensors"
 HEAD_FORMAT = 1
 
 
+def drafter_fingerprint(params: dict[str, Any]) -> str:
+    """Which drafter a head belongs to: a hash of the drafter's `fc` and final `norm` weights rounded
+    to bfloat16 (the same for the float32 weights a run trains and the bf16 ones it exports, and for a
+    z-lab directory and its conversion)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in ("fc", "norm"):
+        h.update(np.asarray(jnp.asarray(params[name]["weight"], jnp.bfloat16)).view(np.uint16).tobytes())
+    return h.hexdigest()[:16]
+
+
 def has_head(path: str | Path) -> bool:
     """Whether a drafter directory ships a conditioned head (its config file names one)."""
     return (Path(path) / HEAD_CONFIG).is_file()
@@ -32,9 +46,11 @@ def head_shapes(hidden_size: int, rank: int) -> dict[str, dict[str, tuple[int, .
     return {"fc1": {"weight": (rank, 2 * hidden_size), "bias": (rank,)}, "fc2": {"weight": (hidden_size, rank)}}
 
 
-def read_head(path: str | Path, hidden_size: int) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
+def read_head(path: str | Path, hidden_size: int, drafter: dict[str, Any] | None = None
+              ) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
     """(rank, the head's tensors as a nested dict) of the head beside drafter dir `path`, checked
-    against the drafter's `hidden_size`. Raises ConversionError with one line naming the problem."""
+    against the drafter's `hidden_size` and, given its parameters (`drafter`, a nested dict), the
+    fingerprint the head was exported with. Raises ConversionError with one line naming the problem."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
@@ -49,6 +65,11 @@ def read_head(path: str | Path, hidden_size: int) -> tuple[int, dict[str, dict[s
     if width != hidden_size or rank <= 0:
         raise ConversionError(f"conditioned head {path / HEAD_CONFIG} (hidden_size {width}, rank {rank}) does not fit "
                               f"this drafter (hidden_size {hidden_size})")
+    want = meta.get("drafter_fingerprint")
+    if want is not None and drafter is not None and drafter_fingerprint(drafter) != want:
+        raise ConversionError(f"conditioned head {path / HEAD_CONFIG} was trained on another drafter's hidden states "
+                              f"(fingerprint {want}, this drafter's {drafter_fingerprint(drafter)}): retrain it "
+                              "(train_drafter train --cond-head R --freeze-drafter) or draft without it (--cond-head off)")
     try:
         flat = load_file(str(path / HEAD_WEIGHTS))
     except (OSError, SafetensorError) as e:
@@ -69,8 +90,9 @@ def read_head(path: str | Path, hidden_size: int) -> tuple[int, dict[str, dict[s
 
 
 def write_head(out: str | Path, head: dict[str, Any], dtype: jnp.dtype = jnp.bfloat16,
-               info: dict[str, Any] | None = None) -> None:
-    """Write a head's nested dict ({"fc1": {"weight", "bias"}, "fc2": {"weight"}}) beside a drafter."""
+               info: dict[str, Any] | None = None, drafter: dict[str, Any] | None = None) -> None:
+    """Write a head's nested dict ({"fc1": {"weight", "bias"}, "fc2": {"weight"}}) beside a drafter,
+    with the fingerprint of `drafter` (its parameters, a nested dict) when given."""
     from safetensors.numpy import save_file
 
     out = Path(out)
@@ -80,6 +102,8 @@ def write_head(out: str | Path, head: dict[str, Any], dtype: jnp.dtype = jnp.bfl
     meta = {"format": HEAD_FORMAT, "rank": int(w2.shape[1]), "hidden_size": int(w2.shape[0]),
             "about": "parent-conditioned output head of this DFlash drafter (bastion_jax/modeling/cond_head.py); "
                      "other DFlash code may ignore it"}
+    if drafter is not None:
+        meta["drafter_fingerprint"] = drafter_fingerprint(drafter)
     (out / HEAD_CONFIG).write_text(json.dumps({**meta, **(info or {})}, indent=2))
 
 

@@ -55,7 +55,7 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = "bfloat16") ->
 
         dcfg, dparams = load_zlab_params(Path(src), parse_dtype(dtype) or source.native_dtype())
         if has_head(src):  # a conditioned head beside it travels with it
-            dparams = {**dparams, "cond_head": read_head(src, dcfg.hidden_size)[1]}
+            dparams = {**dparams, "cond_head": read_head(src, dcfg.hidden_size, dparams)[1]}
         out.mkdir(parents=True, exist_ok=True)
         save_drafter(out, dcfg, dparams, source=str(source.path))
         return out

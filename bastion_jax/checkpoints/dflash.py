@@ -50,7 +50,7 @@ def export_zlab(cfg: DrafterConfig, state: nnx.State, out: str | Path, dtype: jn
     pure = nnx.to_pure_dict(state)
     head = pure.pop("cond_head", None)  # not a z-lab tensor: its own files beside the checkpoint
     if head is not None:
-        write_head(out, head, dtype, info)
+        write_head(out, head, dtype, info, drafter=pure)
     else:
         remove_head(out)
     flat = jax.tree_util.tree_flatten_with_path(unstack_layers(pure))[0]  # per layer, as z-lab names them

@@ -103,7 +103,7 @@ def save_drafter(out: Path, cfg: DrafterConfig, params: dict[str, Any], source: 
     head = params.pop("cond_head", None)
     _save(out, cfg.to_hf(), "drafter", params, source)
     if head is not None:
-        write_head(out, head, jax.tree.leaves(head)[0].dtype)
+        write_head(out, head, jax.tree.leaves(head)[0].dtype, drafter=params)
     else:
         remove_head(out)
 
@@ -271,10 +271,11 @@ def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None
             _, params = load_zlab_params(path, dtype, target)
             graphdef, state = _merge(cfg, dtype, params)
         if cond_head and has_head(path):
-            rank, head = read_head(path, cfg.hidden_size)
+            base = nnx.to_pure_dict(state)
+            rank, head = read_head(path, cfg.hidden_size, base)
             cfg = dataclasses.replace(cfg, cond_head_rank=rank)
             dtype = jax.tree.leaves(state)[0].dtype
-            graphdef, state = _merge(cfg, dtype, {**nnx.to_pure_dict(state), "cond_head": head})
+            graphdef, state = _merge(cfg, dtype, {**base, "cond_head": head})
     except (ConversionError, ConfigError) as e:
         raise CheckpointError(str(e)) from None
     return LoadedDrafter(cfg, graphdef, state, path)
