@@ -99,11 +99,17 @@ def add_sampling_flags(parser, *, temperature_help: str = "", seed_help: str = "
 
 def add_cond_head_flags(parser) -> None:
     """--cond-head on|off and --cond-depths: how a drafter's conditioned head (`cond_head.json`) drafts."""
-    parser.add_argument("--cond-head", default="on", choices=["on", "off"], help="use the drafter's "
+    parser.add_argument("--cond-head", default="auto", choices=["auto", "on", "off"], help="use the drafter's "
                         "parent-conditioned head when one ships beside it (cond_head.json: each slot drafted given "
-                        "the drafted token before it). Default on; off drafts with the plain DFlash drafter")
+                        "the drafted token before it). auto (default): on, except on CPU, where it costs more than "
+                        "it adds; off drafts with the plain DFlash drafter")
     parser.add_argument("--cond-depths", default="auto", help="tree depths 2..N take each parent's own law from "
                         "the head (auto: none on CPU, where it costs more than it adds; 4 elsewhere; 0: none)")
+
+
+def resolve_cond_head(flag: str) -> bool | None:
+    """A --cond-head value for `load_drafter(cond_head=...)`: None (auto), True or False."""
+    return None if flag == "auto" else flag == "on"
 
 
 def resolve_cond_depths(flag: str) -> int | None:

@@ -9,7 +9,7 @@ import time
 
 from bastion_jax.calibration import calibration_model, load_or_calibrate
 from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, add_sampling_flags, dtype_note, fail, positive_int,
-                             resolve_cond_depths, resolve_dtype, resolve_lookup, stderr_log, use_compilation_cache)
+                             resolve_cond_depths, resolve_cond_head, resolve_dtype, resolve_lookup, stderr_log, use_compilation_cache)
 
 DEFAULT_PROMPT_HELP = "With no --target, the embedded SmolLM2-135M-Instruct is used."
 DEFAULT_BLOCK_SIZE = 16  # of a --drafter random
@@ -113,7 +113,8 @@ def load_models(args, log):
             "tokens)")
         return path, target, drafter
     # computes in the target's dtype
-    drafter = load_drafter(drafter_arg, target.config, target.dtype, cond_head=getattr(args, "cond_head", "on") == "on")
+    drafter = load_drafter(drafter_arg, target.config, target.dtype,
+                           cond_head=resolve_cond_head(getattr(args, "cond_head", "auto")))
     rank = drafter.config.cond_head_rank
     log(f"drafter: {drafter_arg} ({drafter.config.num_hidden_layers} layers, block size "
         f"{drafter.config.block_size}{f', conditioned head of rank {rank}' if rank else ''}, computing in "

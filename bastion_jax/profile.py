@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from bastion_jax.cli import add_cond_head_flags, add_lookup_flag, fail, resolve_cond_depths, resolve_lookup, stderr_log
+from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, fail, resolve_cond_depths, resolve_cond_head,
+                             resolve_lookup, stderr_log)
 from bastion_jax.controller import DEFAULT_BUCKETS, PolicyError, parse_buckets
 from bastion_jax.profile_report import device_meta, markdown, write_outputs
 from bastion_jax.profiler import run_profile
@@ -194,7 +195,7 @@ def setup(args, log=lambda msg: None) -> Setup:
                                      target.dtype, args.seed)
         else:
             drafter = load_drafter(drafter_arg, target.config, target.dtype,
-                                   cond_head=getattr(args, "cond_head", "on") == "on")
+                                   cond_head=resolve_cond_head(getattr(args, "cond_head", "auto")))
         cache_len = plan_cache_len(contexts, buckets, drafter.config.block_size,
                                    target.config.max_position_embeddings, args.max_len)
         label = (Path(args.target).name.split(".")[0] or "target") + ("-scanned" if target.config.scan_layers else "")

@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, fail, positive_int, resolve_cond_depths, resolve_lookup,
-                             stderr_log, use_compilation_cache)
+from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, fail, positive_int, resolve_cond_depths,
+                             resolve_cond_head, resolve_lookup, stderr_log, use_compilation_cache)
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEFAULT_SOURCES = ("gsm8k_train.jsonl.gz", "code_alpaca_2k.jsonl.gz")
@@ -258,7 +258,8 @@ def run_train(args, target, log) -> None:
     train, val = data.split(args.held_out)
     if args.init:
         # unrolled layers: the trainer's checkpoints and warm start are per layer on every backend
-        drafter = load_drafter(args.init, target.config, jnp.float32, scan_layers=False)
+        # (its conditioned head too, if it has one: it trains with the drafter, whatever the backend)
+        drafter = load_drafter(args.init, target.config, jnp.float32, scan_layers=False, cond_head=True)
         init_cfg = drafter.config  # before growing or widening (the init note says what changed)
         if args.layers is not None:
             drafter = grow(drafter, args.layers)
@@ -335,7 +336,7 @@ def run_eval(args, target, log) -> None:
     modes = [m for m in args.modes.split(",") if m and m != "ar"]
     for m in modes:
         Policy.parse(m)
-    drafter = load_drafter(drafter_dir, target.config, target.dtype, cond_head=args.cond_head == "on")
+    drafter = load_drafter(drafter_dir, target.config, target.dtype, cond_head=resolve_cond_head(args.cond_head))
     tok = load_tokenizer(target)
     buckets = parse_buckets(args.buckets)
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, add_sampling_flags, resolve_cond_depths,
-                             use_compilation_cache)
+                             resolve_cond_head, use_compilation_cache)
 from bastion_jax.acceptance import STANDARD_SETS, PromptError, read_prompts, resolve_prompt_file
 from benchmarks.report import commit, markdown_table, per_set, plot, write_csv
 
@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.drafter == "random":
         drafter = random_drafter(tiny_drafter_config(target.config, block_size=args.block_size or 16), target.dtype)
     else:
-        drafter = load_drafter(args.drafter, target.config, target.dtype, cond_head=args.cond_head == "on")
+        drafter = load_drafter(args.drafter, target.config, target.dtype,
+                               cond_head=resolve_cond_head(args.cond_head))
     buckets = parse_buckets(args.buckets)
 
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,

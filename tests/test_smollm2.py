@@ -70,3 +70,17 @@ def test_cli_default_is_bastion_with_the_shipped_drafter(capsys):
     assert rc == 0 and "converting" not in out2.err  # the conversion is cached
     assert float(re.search(r"\[fixed:16\].*tau ([0-9.]+)", out2.err).group(1)) > 1.2, out2.err
     assert "text identical to AR: yes" in out2.err
+
+
+def test_the_shipped_conditioned_head_drafts_losslessly(capsys):
+    """The shipped drafter's conditioned head (off by default on CPU) asked for: it loads against the
+    drafter's fingerprint, chain and per-parent trees draft through it, text identical to AR."""
+    import re
+
+    rc = generate.main(["Write a Python function that reverses a string.", "--max-new-tokens", "32",
+                        "--mode", "fixed:8", "--cond-head", "on", "--cond-depths", "4", "--compare-ar"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "conditioned head of rank 64" in out.err
+    assert float(re.search(r"\[fixed:8\].*tau ([0-9.]+)", out.err).group(1)) > 1.2, out.err
+    assert "text identical to AR: yes" in out.err

@@ -37,6 +37,17 @@ def drafter_fingerprint(params: dict[str, Any]) -> str:
     return h.hexdigest()[:16]
 
 
+def default_cond_head() -> bool:
+    """Whether a drafter's conditioned head drafts unless told otherwise: not on CPU, where its
+    sequential spine (15 small products per drafting call) cost more than its acceptance bought in a
+    CPU A/B (SmolLM2, 24 prompts: bastion 1.27x AR without the head, 1.23x with it; fixed:4 tau 1.94
+    -> 1.96, `benchmarks/results/cpu-smollm2-cond-head.md`); elsewhere yes, where those products are
+    a few small kernels beside the target's verify and tau rises 2-5%."""
+    import jax
+
+    return jax.default_backend() != "cpu"
+
+
 def has_head(path: str | Path) -> bool:
     """Whether a drafter directory ships a conditioned head (its config file names one)."""
     return (Path(path) / HEAD_CONFIG).is_file()

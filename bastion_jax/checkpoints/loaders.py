@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bastion_jax.checkpoints.cond_head import has_head, read_head, remove_head, write_head
+from bastion_jax.checkpoints.cond_head import default_cond_head, has_head, read_head, remove_head, write_head
 from bastion_jax.checkpoints.params import match_layout, swap_dense, unstack_layers
 from bastion_jax.config import ConfigError, TargetConfig, read_config_json
 from bastion_jax.dflash_config import DrafterConfig
@@ -242,14 +242,15 @@ def load_target(path: str | Path, dtype: jnp.dtype | None = None, scan_layers: b
 
 
 def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None = None,
-                 scan_layers: bool | None = None, cond_head: bool = True) -> LoadedDrafter:
+                 scan_layers: bool | None = None, cond_head: bool | None = None) -> LoadedDrafter:
     """Load a converted drafter or a z-lab DFlash checkpoint dir; checks it fits `target`. `dtype`
     as in `load_target` (None: the checkpoint's own); `generate` passes the target's dtype on purpose,
     since the drafter reads the target's features and shares its LM head. `scan_layers`: run its
     layers under a scan (stacked parameters) or unrolled; None follows `target.scan_layers`, since
     both run inside the same steps (the trainer asks for unrolled layers); its products' form
     follows `target.feature_major` likewise. `cond_head`: load the conditioned head shipped beside
-    the checkpoint, if any (`checkpoints/cond_head.py`); False drafts with the plain drafter."""
+    the checkpoint, if any (`checkpoints/cond_head.py`); False drafts with the plain drafter; None:
+    `default_cond_head()` (not on CPU)."""
     from bastion_jax.checkpoints import ConversionError
     from bastion_jax.checkpoints.dflash import load_zlab_params
 
@@ -270,6 +271,8 @@ def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None
             dtype = dtype or open_hf(path).native_dtype()
             _, params = load_zlab_params(path, dtype, target)
             graphdef, state = _merge(cfg, dtype, params)
+        if cond_head is None:
+            cond_head = default_cond_head()
         if cond_head and has_head(path):
             base = nnx.to_pure_dict(state)
             rank, head = read_head(path, cfg.hidden_size, base)
