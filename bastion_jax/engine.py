@@ -30,6 +30,7 @@ from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims
 from bastion_jax.datastore import Datastore, resolve_datastore
 from bastion_jax.lookup import LookupConfig
 from bastion_jax.modeling.attention import PREFILL_TILE
+from bastion_jax.modeling.cond_head import default_cond_depths
 from bastion_jax.sampling import SamplingConfig
 from bastion_jax.speculative import DraftVocab, resolve_draft_vocab
 from bastion_jax.stats import Result, Rows, Stats
@@ -45,14 +46,6 @@ MODES = ("ar", "dflash", "fixed:N", "bastion")
 
 class GenerationError(ValueError):
     """A request the engine cannot serve (e.g. prompt longer than the cache)."""
-
-
-def default_cond_depths() -> int:
-    """Tree depths whose children come from each parent's own law when the drafter ships a conditioned
-    head (`tree.build_tree`). On CPU none: the per-parent laws of a 64-node tree cost more there than
-    the acceptance they add (see docs/architecture.md); elsewhere the first 4 (a few small kernels per
-    depth beside the target's verify)."""
-    return 0 if jax.default_backend() == "cpu" else 4
 
 
 def next_pow2(n: int) -> int:

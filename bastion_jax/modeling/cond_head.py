@@ -105,3 +105,11 @@ def spine_logits(law: HeadLaw, root: jax.Array, ids: jax.Array | None) -> jax.Ar
 
     _, logits = jax.lax.scan(slot, root.astype(jnp.int32), jnp.arange(law.a.shape[1]))
     return jnp.moveaxis(logits, 0, 1)  # [b, D, N]
+
+
+def default_cond_depths() -> int:
+    """Tree depths whose children come from each parent's own law when the drafter ships a conditioned
+    head (`tree.build_tree`; `Engine(cond_depths=None)`). On CPU none: the per-parent laws of a 64-node
+    tree cost more there than the acceptance they add (`benchmarks/results/cpu-smollm2-cond-head.md`);
+    elsewhere depths 2-4 (a few small kernels per depth beside the target's verify)."""
+    return 0 if jax.default_backend() == "cpu" else 4
