@@ -128,14 +128,16 @@ def head_logits(target, hidden: jax.Array, draft_vocab: Optional[DraftVocab] = N
 def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array | None,
                  ctx_len: jax.Array, root: jax.Array, *, block_size: int, mask_token_id: int,
                  proposal: Optional[Proposal], draft_vocab: Optional[DraftVocab] = None,
-                 active: jax.Array | None = None, with_law: bool = False):
+                 active: jax.Array | None = None, with_law: bool = False, cond_table: jax.Array | None = None):
     """Inject `features` [b, C, F] (first ctx_len real) at ctx_start, then draft the block after `root`.
     `ctx_start` None: the drafter cache is empty (a prefill), the features go to slot 0.
 
     Returns the per-position logits [b, B-1, vocab] (slot k predicts position s + k, s = root's
     position; over `draft_vocab`'s N tokens when given) and the drafter cache holding context for
     positions [0, s); with `with_law`, also the conditioned head's `HeadLaw` (None without a head),
-    from which a tree takes each parent's own law.
+    from which a tree takes each parent's own law. `cond_table`: the head's table over the full
+    vocabulary (`head_table`), made once by the caller, where there is no `draft_vocab` to carry it
+    (else it is made here, every call: on CPU a [rank, vocab] product as large as the LM head's).
     """
     law = None
     b = root.shape[0]
@@ -145,7 +147,7 @@ def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, c
                                               ctx_len, drafter_cache, active)
         logits = head_logits(target, hidden[:, 1:], draft_vocab)  # [b, B-1, vocab or N]
         if drafter.cond_head is not None:  # each slot's law given the drafted token before it
-            table = draft_vocab.cond_table if draft_vocab is not None else None
+            table = draft_vocab.cond_table if draft_vocab is not None else cond_table
             if table is None:
                 table = head_table(drafter.cond_head, partial(head_logits, target, draft_vocab=draft_vocab))
             law = head_law(drafter.cond_head, hidden[:, 1:], logits, target.embed_tokens.weight[...], table)
@@ -170,7 +172,7 @@ def _drafter_call(graphdef: nnx.GraphDef, params: nnx.State, block_emb: jax.Arra
 
 def draft_block(*args, draft_vocab: Optional[DraftVocab] = None, **kwargs) -> tuple[jax.Array, KVCache]:
     """Greedy chain drafts [b, B-1]: losslessness comes from verification, not from drafting."""
-    logits, cache = draft_logits(*args, draft_vocab=draft_vocab, **kwargs)
+    logits, cache = draft_logits(*args, draft_vocab=draft_vocab, **kwargs)[:2]
     drafts = argmax(logits)
     return (draft_vocab.to_target(drafts) if draft_vocab is not None else drafts), cache
 
@@ -185,14 +187,15 @@ def merge_models(cfg: StepConfig, target_state, drafter_state):
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("target_cache", "drafter_cache"))
 def spec_prefill(cfg: StepConfig, target_state, drafter_state, target_cache: KVCache, drafter_cache: KVCache,
                  tokens: jax.Array, lengths: jax.Array, key: jax.Array,
-                 draft_vocab: Optional[DraftVocab] = None) -> SpecState:
-    """Target prefill (tokens [b, bucket] right-padded, lengths [b]) + the drafter's first block."""
+                 draft_vocab: Optional[DraftVocab] = None, cond_table: jax.Array | None = None) -> SpecState:
+    """Target prefill (tokens [b, bucket] right-padded, lengths [b]) + the drafter's first block
+    (`cond_table`: a conditioned head's table over the full vocabulary, see `draft_logits`)."""
     target, drafter = merge_models(cfg, target_state, drafter_state)
     root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, cfg.greedy,
                                                   cfg.tap_layers)
     drafts, drafter_cache = draft_block(target, drafter, drafter_cache, features, None, lengths,
                                         root, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                                        proposal=cfg.proposal, draft_vocab=draft_vocab)
+                                        proposal=cfg.proposal, draft_vocab=draft_vocab, cond_table=cond_table)
     return SpecState(target_cache, drafter_cache, root, drafts, lengths + 0)  # fresh buffer: donatable
 
 
@@ -204,7 +207,8 @@ def accept_chain(drafts: jax.Array, choices: jax.Array) -> jax.Array:
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
 def spec_step(cfg: StepConfig, target_state, drafter_state, state: SpecState, active: jax.Array, key: jax.Array,
-              draft_vocab: Optional[DraftVocab] = None) -> tuple[SpecState, StepOutput]:
+              draft_vocab: Optional[DraftVocab] = None, cond_table: jax.Array | None = None
+              ) -> tuple[SpecState, StepOutput]:
     """Verify the current block, accept, emit, inject features and draft the next block."""
     target, drafter = merge_models(cfg, target_state, drafter_state)
     block_size = cfg.block_size
@@ -226,6 +230,7 @@ def spec_step(cfg: StepConfig, target_state, drafter_state, state: SpecState, ac
     features = out.taps if out.taps is not None else jnp.zeros((tokens.shape[0], block_size, 1), jnp.float32)
     drafts, drafter_cache = draft_block(target, drafter, state.drafter_cache, features, length, n_ctx, bonus,
                                         block_size=block_size, mask_token_id=cfg.mask_token_id,
-                                        proposal=cfg.proposal, draft_vocab=draft_vocab, active=active)
+                                        proposal=cfg.proposal, draft_vocab=draft_vocab, active=active,
+                                        cond_table=cond_table)
     new_state = SpecState(out.cache, drafter_cache, bonus, drafts, new_length)
     return new_state, StepOutput(emitted, accepted + 1)

@@ -21,6 +21,12 @@ from bastion_jax.testing import tiny_drafter_config
 BLOCK = 4
 
 
+def engine_sampling():
+    from bastion_jax.sampling import SamplingConfig
+
+    return SamplingConfig()
+
+
 def with_head(drafter: LoadedDrafter, rank: int, seed: int, scale: float = 1.0) -> LoadedDrafter:
     """`drafter` plus a conditioned head of `rank` with random weights (fc2 too: a trained head)."""
     cfg = dataclasses.replace(drafter.config, cond_head_rank=rank)
@@ -117,6 +123,9 @@ def test_decoding_with_a_head_equals_ar(pair, dtype, tmp_path):
                         cond_depths=cond_depths)
         if vocab is not None:
             assert engine.draft_vocab.cond_table is not None  # made once, not in every step
+        # the chain drafts over every token: its table is made once too, and bound to its steps
+        prefill, step = engine.executables.chain(2, 8, 64, engine_sampling())
+        assert step.bound[1].shape == (target.config.vocab_size, 8) and step.bound[1] is prefill.bound[1]
         ar = engine.generate(prompts, max_new_tokens=24, mode="ar").tokens
         modes = ("dflash", "fixed:4", "bastion") if cond_depths == 0 else ("fixed:8", "bastion")
         for mode in modes:
