@@ -132,8 +132,8 @@ class Engine:
         if not 0 <= cond_depths < max(block_size or 0, 1):
             raise GenerationError(f"cond_depths must be in [0, block size - 1 = {(block_size or 1) - 1}], got {cond_depths}")
         if cond_depths >= 2 and not has_head:
-            raise GenerationError("cond_depths draws tree children from a conditioned head; this drafter has none "
-                                  "(cond_head.json)")
+            raise GenerationError("cond_depths draws tree children from a conditioned head; none is loaded (a drafter "
+                                  "ships one as cond_head.json; on CPU --cond-head auto leaves it off: pass --cond-head on)")
         self.cond_depths = cond_depths
         self.lookup = lookup
         self.datastore = resolve_datastore(datastore, target, drafter, lookup)

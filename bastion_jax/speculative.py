@@ -99,9 +99,9 @@ class DraftVocab:
 
     def with_head(self, drafter) -> "DraftVocab":
         """This vocabulary with `drafter`'s conditioned-head table (itself when the drafter has no head)."""
-        head = nnx.merge(drafter.graphdef, drafter.state).cond_head if drafter is not None else None
-        if head is None:
+        if drafter is None or not drafter.config.cond_head_rank:  # (no merge of a headless drafter)
             return self
+        head = nnx.merge(drafter.graphdef, drafter.state).cond_head
         table = head_table(head, lambda x: project("...h,nh->...n", x, self.weight, jnp.float32))
         return self.replace(cond_table=table)
 

@@ -8,17 +8,20 @@ was right, so the law that pays is slot k's *given the token before it*. The hea
 
 with h_k the drafter's final hidden state of slot k, e the target's embedding and x_0 the block's
 root. `fc2` starts at zero, so a new head is exactly the drafter without one. Training conditions on
-the true previous token (`training/step.py`); drafting on the drafted one (`spine_logits`): slot 1 on
+the true previous token (`training/forward.conditioned`); drafting on the drafted one (`spine_logits`): slot 1 on
 the root, slot k on the argmax of slot k-1's conditioned law. For a chain that is exact teacher
 forcing while the run lasts (the draft before an accepted one is the true token); a tree uses the
-conditioned laws along that spine as its per-depth marginals. Measured on SmolLM2 (rank 64/256, a
-frozen drafter, 300 CPU steps; `benchmarks/results/cpu-smollm2-method-probes.md` section 9): chain
-walk +2-4%, spine-conditioned trees +1-3%.
+conditioned laws along that spine as its per-depth marginals, or takes depths 2..N from each
+parent's own law (`child_log_probs`). The shipped SmolLM2 head (rank 64, 600 CPU steps on the frozen
+v14): chain tau +3%, 32-node trees +2% (spine) / +5% (depths 2-4 per parent) on the evaluation sets
+(`benchmarks/results/cpu-smollm2-cond-head.md`).
 
-Cost: the sequential part is small. With H the LM-head rows the drafter scores, slot k's logits are
-H h_k + (H W2) u_k: the first term for every slot in one product (as without a head), the second an
-[N, rank] table (`head_table`, computed once per request with the draft vocabulary) times the
-rank-sized u_k, one slot after another.
+Cost: with H the LM-head rows the drafter scores, slot k's logits are H h_k + (H W2) u_k: the first
+term for every slot in one product (as without a head), the second an [N, rank] table (`head_table`,
+made once per engine: with the draft vocabulary, or for the chain's full vocabulary) times the
+rank-sized u_k, one slot after another. Small on an accelerator; on a 2-core CPU those 15 sequential
+products cost more than the CPU's small trees gain, so the head is off there by default
+(`checkpoints.cond_head.default_cond_head`).
 """
 
 from __future__ import annotations
