@@ -103,8 +103,15 @@ def add_cond_head_flags(parser) -> None:
                         "parent-conditioned head when one ships beside it (cond_head.json: each slot drafted given "
                         "the drafted token before it). auto (default): on, except on CPU, where it costs more than "
                         "it adds; off drafts with the plain DFlash drafter")
-    parser.add_argument("--cond-depths", default="auto", help="tree depths 2..N take each parent's own law from "
+    parser.add_argument("--cond-depths", default="auto", type=_cond_depths_arg, help="tree depths 2..N take each parent's own law from "
                         "the head (auto: none on CPU, where it costs more than it adds; 4 elsewhere; 0: none)")
+
+
+def _cond_depths_arg(text: str) -> str:
+    """Checked while parsing, so a bad value is refused before any model loads."""
+    if text != "auto" and not (text.isdigit()):
+        raise argparse.ArgumentTypeError(f"must be auto or a number of depths (0, 2, 3, ...), got {text!r}")
+    return text
 
 
 def resolve_cond_head(flag: str) -> bool | None:
