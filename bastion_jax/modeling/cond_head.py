@@ -12,8 +12,8 @@ the true previous token (`training/forward.conditioned`); drafting on the drafte
 the root, slot k on the argmax of slot k-1's conditioned law. For a chain that is exact teacher
 forcing while the run lasts (the draft before an accepted one is the true token); a tree uses the
 conditioned laws along that spine as its per-depth marginals, or takes depths 2..N from each
-parent's own law (`child_log_probs`). The shipped SmolLM2 head (rank 64, 600 CPU steps on the frozen
-v14): chain tau +3%, 32-node trees +2% (spine) / +5% (depths 2-4 per parent) on the evaluation sets
+parent's own law (`child_log_probs`). The shipped SmolLM2 head (rank 256, 1,200 CPU steps on the frozen
+v14): chain tau +6%, 32-node trees +4% (spine) / +8% (depths 2-4 per parent) on the evaluation sets
 (`benchmarks/results/cpu-smollm2-cond-head.md`).
 
 Cost: with H the LM-head rows the drafter scores, slot k's logits are H h_k + (H W2) u_k: the first
