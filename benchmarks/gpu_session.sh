@@ -41,9 +41,10 @@
 #      on seven prompt sets. Ship whichever of best/ and final beats the shipped drafter on
 #      `benchmarks.gate_headroom --no-calibrate` over the five sets and the EAGLE alpaca / QA sets
 #      (`benchmarks/results/cpu-smollm2-drafter-v13-ab.md`: ~2.5 min per drafter on CPU). The shipped drafter
-#      carries a conditioned head (cond_head.json, 2026-12-03): a run from it (--init) trains the head with the
+#      carries a conditioned head (cond_head.json, rank 256 since 2026-12-03): a run from it (--init) trains the head with the
 #      drafter, and its exports carry both; ship an export whole, never a model.safetensors without its head
-#      (a head trained on another drafter's hidden states loads, having the same shapes, but drafts worse). The arithmetic: 900 - start (35-60) - step 1 (~230) - step 2 (~10) leaves ~600-625 s, and step 3
+#      (cond_head.json records the drafter's fingerprint: beside another drafter the head is refused at load,
+#      and only --cond-head off drafts). The arithmetic: 900 - start (35-60) - step 1 (~230) - step 2 (~10) leaves ~600-625 s, and step 3
 #      takes all but the ~20-40 s its output needs to come back. Keep the calls back to back: a gap over
 #      30 s releases the machine, and the stashed pieces go with it;
 #   4. `perf` (the whole profile at 8B shapes, tree steps and the real bastion loop included, ~330-360 s)
