@@ -107,26 +107,19 @@ def add_cond_head_flags(parser) -> None:
                         "the head (auto: none on CPU, where it costs more than it adds; 4 elsewhere; 0: none)")
 
 
-def _cond_depths_arg(text: str) -> str:
-    """Checked while parsing, so a bad value is refused before any model loads."""
-    if text != "auto" and not (text.isdigit()):
+def _cond_depths_arg(text: str) -> int | None:
+    """--cond-depths as the engine takes it: None (auto: the engine's default) or a depth count; checked
+    while parsing, so a bad value is refused before any model loads."""
+    if text == "auto":
+        return None
+    if not text.isdigit():
         raise argparse.ArgumentTypeError(f"must be auto or a number of depths (0, 2, 3, ...), got {text!r}")
-    return text
+    return int(text)
 
 
 def resolve_cond_head(flag: str) -> bool | None:
     """A --cond-head value for `load_drafter(cond_head=...)`: None (auto), True or False."""
     return None if flag == "auto" else flag == "on"
-
-
-def resolve_cond_depths(flag: str) -> int | None:
-    """A --cond-depths value: None (the engine's default) or a depth count."""
-    if flag == "auto":
-        return None
-    try:
-        return int(flag)
-    except ValueError:
-        raise ValueError(f"--cond-depths must be auto or a number of depths, got {flag!r}") from None
 
 
 def add_lookup_flag(parser) -> None:

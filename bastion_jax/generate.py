@@ -9,7 +9,7 @@ import time
 
 from bastion_jax.calibration import calibration_model, load_or_calibrate
 from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, add_sampling_flags, dtype_note, fail, positive_int,
-                             resolve_cond_depths, resolve_cond_head, resolve_dtype, resolve_lookup, stderr_log, use_compilation_cache)
+                             resolve_cond_head, resolve_dtype, resolve_lookup, stderr_log, use_compilation_cache)
 
 DEFAULT_PROMPT_HELP = "With no --target, the embedded SmolLM2-135M-Instruct is used."
 DEFAULT_BLOCK_SIZE = 16  # of a --drafter random
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"draft vocabulary: the {draft_vocab.ids.shape[0]} most frequent tokens (--draft-vocab full: all)")
         engine = Engine(target, tokenizer, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
                         draft_vocab=draft_vocab, lookup=resolve_lookup(args.lookup), datastore=args.datastore,
-                        cond_depths=resolve_cond_depths(args.cond_depths))
+                        cond_depths=args.cond_depths)
         if engine.datastore is not None and policy.uses_tree:
             log(f"datastore: {engine.datastore.tokens.shape[0]:,} target-written tokens for the lookup's chains "
                 "(--datastore off: the context's chains only)")

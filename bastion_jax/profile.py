@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, fail, resolve_cond_depths, resolve_cond_head,
+from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, fail, resolve_cond_head,
                              resolve_lookup, stderr_log)
 from bastion_jax.controller import DEFAULT_BUCKETS, PolicyError, parse_buckets
 from bastion_jax.profile_report import device_meta, markdown, write_outputs
@@ -204,7 +204,7 @@ def setup(args, log=lambda msg: None) -> Setup:
         model_name = None
     engine = Engine(target, None, drafter=drafter, stop_ids=[], buckets=buckets, top_k=args.tree_top_k,
                     draft_vocab=draft_vocab, lookup=lookup, datastore=datastore,
-                    cond_depths=resolve_cond_depths(getattr(args, "cond_depths", "auto")))
+                    cond_depths=getattr(args, "cond_depths", None))
     if model_name is None:  # what `generate` computes for the same pair and flags
         model_name = calibration_model(target, drafter, engine.draft_vocab, lookup=lookup is not None,
                                        datastore=datastore, cond_depths=engine.cond_depths)

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, fail, positive_int, resolve_cond_depths,
+from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, fail, positive_int,
                              resolve_cond_head, resolve_lookup, stderr_log, use_compilation_cache)
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -342,7 +342,7 @@ def run_eval(args, target, log) -> None:
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
                     draft_vocab=args.draft_vocab,
                     lookup=resolve_lookup(args.lookup), datastore=args.datastore,
-                    cond_depths=resolve_cond_depths(args.cond_depths))
+                    cond_depths=args.cond_depths)
     sets = {}
     for spec in args.prompts:
         path = resolve_prompt_file(spec)

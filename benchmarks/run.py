@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, add_sampling_flags, resolve_cond_depths,
+from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, add_sampling_flags,
                              resolve_cond_head, use_compilation_cache)
 from bastion_jax.acceptance import STANDARD_SETS, PromptError, read_prompts, resolve_prompt_file
 from benchmarks.report import commit, markdown_table, per_set, plot, write_csv
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
                     draft_vocab=args.draft_vocab,
                     lookup=resolve_lookup(args.lookup), datastore=args.datastore,
-                    cond_depths=resolve_cond_depths(args.cond_depths))
+                    cond_depths=args.cond_depths)
     modes = ["ar", "dflash"] + [f"fixed:{n}" for n in parse_buckets(args.fixed)] + ["bastion"]
     if max(buckets) >= 32:
         modes.append("bastion-paper")

@@ -15,16 +15,11 @@ from bastion_jax.checkpoints.dflash import export_zlab
 from bastion_jax.engine import Engine
 from bastion_jax.modeling.cache import KVCache
 from bastion_jax.modeling.cond_head import child_log_probs, head_law, head_table, spine_logits
+from bastion_jax.sampling import SamplingConfig
 from bastion_jax.speculative import DraftVocab, draft_logits, head_logits
 from bastion_jax.testing import tiny_drafter_config
 
 BLOCK = 4
-
-
-def engine_sampling():
-    from bastion_jax.sampling import SamplingConfig
-
-    return SamplingConfig()
 
 
 def with_head(drafter: LoadedDrafter, rank: int, seed: int, scale: float = 1.0) -> LoadedDrafter:
@@ -124,7 +119,7 @@ def test_decoding_with_a_head_equals_ar(pair, dtype, tmp_path):
         if vocab is not None:
             assert engine.draft_vocab.cond_table is not None  # made once, not in every step
         # the chain drafts over every token: its table is made once too, and bound to its steps
-        prefill, step = engine.executables.chain(2, 8, 64, engine_sampling())
+        prefill, step = engine.executables.chain(2, 8, 64, SamplingConfig())
         assert step.bound[1].shape == (target.config.vocab_size, 8) and step.bound[1] is prefill.bound[1]
         ar = engine.generate(prompts, max_new_tokens=24, mode="ar").tokens
         modes = ("dflash", "fixed:4", "bastion") if cond_depths == 0 else ("fixed:8", "bastion")
