@@ -29,7 +29,8 @@ def calibration_model(target, drafter, draft_vocab=None, lookup: bool = True, da
     d = model_identity(drafter.path) if drafter.path is not None else "random"
     store = f"|datastore {int(datastore.tokens.shape[0])}" if datastore is not None else ""
     if drafter.config.cond_head_rank:
-        d += f"|cond-head {drafter.config.cond_head_rank} x{cond_depths}"
+        rec = " rec" if drafter.config.cond_head_recurrent else ""
+        d += f"|cond-head {drafter.config.cond_head_rank}{rec} x{cond_depths}"
     return with_lookup(f"{t}|{d}" + (f"|draft-vocab {int(draft_vocab.ids.shape[0])}" if draft_vocab is not None
                                      else "") + store, lookup)
 

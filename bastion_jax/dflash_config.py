@@ -132,6 +132,9 @@ class DrafterConfig:
     # Rank of the optional parent-conditioned output head (`modeling/cond_head.py`; 0: none). Not a
     # z-lab field: it comes from `cond_head.json` beside the checkpoint (`checkpoints/cond_head.py`).
     cond_head_rank: int = 0
+    # Whether that head carries a state from slot to slot (`rec`: each slot given every drafted token
+    # before it, not only the last); likewise from `cond_head.json`.
+    cond_head_recurrent: bool = False
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], target: TargetConfig | None = None) -> "DrafterConfig":

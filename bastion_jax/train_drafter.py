@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--cond-head", type=positive_int, metavar="RANK", help="add a parent-conditioned output head "
                    "of this rank (each slot's law given the token before it; exported beside the drafter as "
                    "cond_head.json / .safetensors); an --init drafter's own head is kept (same rank)")
+    t.add_argument("--cond-head-recurrent", action="store_true", help="with --cond-head: a head that carries a "
+                   "state from slot to slot, so each slot's law sees every token before it back to the root, not "
+                   "only the last (an --init head without one grows it at zero: it starts out drafting as before)")
     t.add_argument("--freeze-drafter", action="store_true", help="train only the conditioned head (the drafter's "
                    "weights stay as --init gave them)")
     t.add_argument("--resume", action="store_true", help="continue OUT's latest checkpoint and refuse to start "
@@ -240,6 +243,8 @@ def run_train(args, target, log) -> None:
         raise ValueError(f"--resume: no checkpoint to continue in {checkpoints}")
     if args.init and args.init_from_target:
         raise ValueError("--init and --init-from-target both choose the starting weights; pass one")
+    if args.cond_head_recurrent and not args.cond_head:
+        raise ValueError("--cond-head-recurrent grows a conditioned head: give its rank (--cond-head R)")
     fixed = [f for f, v in (("--intermediate-size", args.intermediate_size), ("--mask-token-id", args.mask_token_id))
              if v is not None]
     if args.init and fixed:
@@ -272,7 +277,7 @@ def run_train(args, target, log) -> None:
         if args.init_from_target:
             drafter = init_from_target(drafter, target)
     if args.cond_head:
-        drafter = add_head(drafter, args.cond_head, seed=args.seed)
+        drafter = add_head(drafter, args.cond_head, seed=args.seed, recurrent=args.cond_head_recurrent)
     if args.freeze_drafter and not args.init:
         raise ValueError("--freeze-drafter keeps the drafter's weights: start from a trained one (--init DIR)")
     d = drafter.config
@@ -288,6 +293,8 @@ def run_train(args, target, log) -> None:
         init_note += f" (grown from {init_cfg.num_hidden_layers} to {d.num_hidden_layers} layers: warmstart.grow)"
     if d.cond_head_rank and not (args.init and init_cfg.cond_head_rank):
         init_note += f" (a new conditioned head of rank {d.cond_head_rank}: warmstart.add_head)"
+    elif d.cond_head_recurrent and not init_cfg.cond_head_recurrent:
+        init_note += " (its conditioned head made recurrent, `rec` at zero: warmstart.add_head)"
     if args.init and d.target_layer_ids != init_cfg.target_layer_ids:
         init_note += (f" (taps {list(init_cfg.target_layer_ids)} widened to {list(d.target_layer_ids)}: "
                       "warmstart.widen_taps)")

@@ -21,8 +21,10 @@ import numpy as np
 from bastion_jax.lookup import Chain
 
 
-# child_law(d, parent tokens [m]) -> log-probs [m, vocab]: row d's law given each parent (`build_tree`)
-ChildLaw = Callable[[jax.Array, jax.Array], jax.Array]
+# child_law(d, parent tokens [m], states [m, S]) -> (log-probs [m, vocab], states [m, S]): row d's law
+# given each parent and the state its own parent handed down, and the state it hands its children
+# (`build_tree`)
+ChildLaw = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
 class Tree(NamedTuple):
@@ -36,7 +38,8 @@ class Tree(NamedTuple):
 
 
 def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int, ids: jax.Array | None = None,
-               chain: Chain | None = None, child_law: ChildLaw | None = None, cond_depths: int = 0) -> Tree:
+               chain: Chain | None = None, child_law: ChildLaw | None = None, cond_depths: int = 0,
+               child_state: jax.Array | None = None) -> Tree:
     """Top `num_nodes - 1` prefixes of the lattice `log_probs` [depth, vocab] under `root`.
 
     `log_probs` row d-1 is the drafter's log-distribution for depth d (block slot d); `ids` [vocab]
@@ -51,9 +54,12 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     num_nodes - 1 siblings ahead of it (same parent, no lower score, and ties go to the better rank), so
     it is never one of the tree's num_nodes - 1 nodes. Same tree, a smaller top-k and candidate lists.
 
-    `child_law(d, parents)` (with `cond_depths` >= 2): the children of depths 2..cond_depths come from
-    each parent's own law, `child_law(d, parent tokens [m])` -> log-probs [m, vocab] for row d (a
-    drafter's conditioned head, `modeling/cond_head.py`), instead of the depth's shared row; depth 1
+    `child_law` (with `cond_depths` >= 2): the children of depths 2..cond_depths come from each
+    parent's own law, `child_law(d, parent tokens [m], states [m, S])` -> (log-probs [m, vocab],
+    states [m, S]) for row d (a drafter's conditioned head, `modeling/cond_head.py`), instead of the
+    depth's shared row. The states are what each parent's own parent handed down (`child_state` [S]
+    for the root's children; none when None) and what the parent hands its children: a law that
+    depends on the whole path above it (a recurrent head) stays exact per node. Depth 1
     (the root's children) and deeper depths keep `log_probs`. Each depth still keeps its best m
     (parent, child) pairs: a pair (i, j), parent i of the kept list and its child of rank j in that
     parent's own sorted row, has parents 0..i and i's j better children ahead of it, so it can be
@@ -136,7 +142,9 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     carry = (s, on, tok)
     levels = [(s[None], jnp.full((1, m), -1, jnp.int32), tok[None])]
     if n_cond >= 2:
-        carry, level = _conditioned_depths(child_law, carry, n_cond, m, k, ids, chain, expand)
+        state0 = jnp.zeros((0,), jnp.float32) if child_state is None else child_state
+        carry, level = _conditioned_depths(child_law, carry, jnp.broadcast_to(state0, (m,) + state0.shape), n_cond,
+                                           m, k, ids, chain, expand)
         levels.append(level)
     start = max(n_cond, 1)
     if start < depth:
@@ -192,18 +200,20 @@ def _cond_pairs(m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return i.reshape(-1)[keep].astype(np.int32), j.reshape(-1)[keep].astype(np.int32)
 
 
-def _conditioned_depths(child_law: ChildLaw, carry, n_cond: int, m: int, k: int, ids: jax.Array | None,
-                        chain: Chain | None, expand):
+def _conditioned_depths(child_law: ChildLaw, carry, states: jax.Array, n_cond: int, m: int, k: int,
+                        ids: jax.Array | None, chain: Chain | None, expand):
     """Depths 2..n_cond of `build_tree`, each kept parent's children from its own law: a scan over
-    the depths whose body asks `child_law` for the m kept parents' rows, takes each row's top k
-    (and, with a chain, the chain token's log-prob in each row) and keeps the best m pairs."""
+    the depths whose body asks `child_law` for the m kept parents' rows (given the states [m, S]
+    their parents handed down), takes each row's top k (and, with a chain, the chain token's log-prob
+    in each row) and keeps the best m pairs, each child with its parent's state."""
     neg_inf = jnp.float32(-jnp.inf)
     pairs = tuple(map(jnp.asarray, _cond_pairs(m, k - (chain is not None))))
     kk = k - (chain is not None)  # the drafter's candidates per row (a chain adds its token as one more)
 
     def body(carry, d):
-        prev, on, ptok = carry  # [m] scores, [m] bool, [m] target ids (-1: padding)
-        law = child_law(d, jnp.maximum(ptok, 0)).astype(jnp.float32)  # [m, vocab]
+        prev, on, ptok, pstate = carry  # [m] scores, [m] bool, [m] target ids (-1: padding), [m, S]
+        law, state = child_law(d, jnp.maximum(ptok, 0), pstate)  # [m, vocab], [m, S] the parents' own
+        law = law.astype(jnp.float32)
         lp, col = jax.lax.optimization_barrier(jax.lax.top_k(law, kk))  # [m, kk] (barrier: see build_tree)
         tok = ids[col] if ids is not None else col
         if chain is None:
@@ -218,9 +228,10 @@ def _conditioned_depths(child_law: ChildLaw, carry, n_cond: int, m: int, k: int,
                                                             chain_lp)
         s, on, parent, new_tok = expand(prev, on, pairs, lambda r: on_rows[r], lambda i, j: off_rows[i, j],
                                         lambda i, j: tok[i, j], chain_d)
-        return (s, on, new_tok), (s, parent, new_tok)
+        return (s, on, new_tok, state[parent]), (s, parent, new_tok)
 
-    return jax.lax.scan(body, carry, jnp.arange(1, n_cond))
+    (s, on, tok, _), level = jax.lax.scan(body, carry + (states,), jnp.arange(1, n_cond))
+    return (s, on, tok), level
 
 
 def _candidates_with_chain(top_lp: jax.Array, top_tok: jax.Array, look: jax.Array, w: jax.Array, chain_lp: jax.Array

@@ -20,7 +20,7 @@ from bastion_jax.datastore import Datastore
 from bastion_jax.decoding import prefill_target
 from bastion_jax.lookup import Chain, LookupState, advance, chain_curve, init_state
 from bastion_jax.modeling.cache import KVCache, append_rows, causal_mask, write_rows
-from bastion_jax.modeling.cond_head import HeadLaw, child_log_probs
+from bastion_jax.modeling.cond_head import LAW_ROW_AXES, HeadLaw, child_log_probs, root_state
 from bastion_jax.sampling import argmax, sample
 from bastion_jax.speculative import DraftVocab, StepOutput, draft_logits, merge_models
 from bastion_jax.step_config import StepConfig
@@ -96,10 +96,12 @@ def _trees(buckets: tuple[int, ...], top_k: int, cond_depths: int, root: jax.Arr
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [b, B-1, vocab or N]
 
     def one(root: jax.Array, lp: jax.Array, chain: Optional[Chain], law: Optional[HeadLaw]) -> Tree:
-        child = partial(child_log_probs, law) if law is not None else None
-        return build_tree(root, lp, max(buckets), top_k, ids, chain, child, cond_depths)
+        if law is None:
+            return build_tree(root, lp, max(buckets), top_k, ids, chain)
+        return build_tree(root, lp, max(buckets), top_k, ids, chain, partial(child_log_probs, law), cond_depths,
+                          root_state(law, root))
 
-    law_axes = HeadLaw(0, 0, None, None, None) if law is not None else None
+    law_axes = LAW_ROW_AXES if law is not None else None
     tree = jax.vmap(one, in_axes=(0, 0, 0 if chain is not None else None, law_axes))(root, log_probs, chain, law)
     return tree, jax.vmap(surrogate_curve, in_axes=(0, None))(tree, buckets)
 

@@ -14,7 +14,7 @@ from bastion_jax.checkpoints import CheckpointError, LoadedDrafter, convert, loa
 from bastion_jax.checkpoints.dflash import export_zlab
 from bastion_jax.engine import Engine
 from bastion_jax.modeling.cache import KVCache
-from bastion_jax.modeling.cond_head import child_log_probs, head_law, head_table, spine_logits
+from bastion_jax.modeling.cond_head import child_log_probs, head_law, head_table, root_state, spine_logits
 from bastion_jax.sampling import SamplingConfig
 from bastion_jax.speculative import DraftVocab, draft_logits, head_logits
 from bastion_jax.testing import tiny_drafter_config
@@ -22,9 +22,10 @@ from bastion_jax.testing import tiny_drafter_config
 BLOCK = 4
 
 
-def with_head(drafter: LoadedDrafter, rank: int, seed: int, scale: float = 1.0) -> LoadedDrafter:
-    """`drafter` plus a conditioned head of `rank` with random weights (fc2 too: a trained head)."""
-    cfg = dataclasses.replace(drafter.config, cond_head_rank=rank)
+def with_head(drafter: LoadedDrafter, rank: int, seed: int, scale: float = 1.0, recurrent: bool = False
+              ) -> LoadedDrafter:
+    """`drafter` plus a conditioned head of `rank` with random weights (fc2 and `rec` too: a trained head)."""
+    cfg = dataclasses.replace(drafter.config, cond_head_rank=rank, cond_head_recurrent=recurrent)
     grown = random_drafter(cfg, seed=seed)
     pure = nnx.to_pure_dict(grown.state)
     pure.update({k: v for k, v in nnx.to_pure_dict(drafter.state).items()})
@@ -34,6 +35,8 @@ def with_head(drafter: LoadedDrafter, rank: int, seed: int, scale: float = 1.0) 
     head["fc1"]["weight"] = jax.random.normal(keys[0], (rank, 2 * h)) * scale * (2 * h) ** -0.5
     head["fc1"]["bias"] = jax.random.normal(keys[1], (rank,)) * scale
     head["fc2"]["weight"] = jax.random.normal(keys[2], (h, rank)) * scale
+    if recurrent:
+        head["rec"]["weight"] = jax.random.normal(jax.random.fold_in(keys[0], 1), (rank, rank)) * scale * rank ** -0.5
     nnx.replace_by_pure_dict(grown.state, pure)
     return LoadedDrafter(cfg, grown.graphdef, grown.state)
 
@@ -62,12 +65,13 @@ def test_a_new_head_drafts_exactly_as_the_drafter(pair):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("reduced", [False, True])
-def test_spine_logits_match_brute_force(pair, reduced):
+@pytest.mark.parametrize("reduced,recurrent", [(False, False), (True, False), (False, True), (True, True)])
+def test_spine_logits_match_brute_force(pair, reduced, recurrent):
     """Slot 1's law given the root, slot k's given slot k-1's argmax: the head run slot by slot on
-    the full hidden state (z = h + fc2 silu(fc1 [h; e])) equals the low-rank table form."""
+    the full hidden state (z = h + fc2 u, u = silu(fc1 [h; e] + rec u_prev)) equals the low-rank
+    table form."""
     loaded, drafter = pair
-    grown = with_head(drafter, 6, seed=4)
+    grown = with_head(drafter, 6, seed=4, recurrent=recurrent)
     head = nnx.merge(grown.graphdef, grown.state).cond_head
     target = nnx.merge(loaded.graphdef, loaded.state)
     b, depth, h = 3, BLOCK - 1, target.config.hidden_size
@@ -80,35 +84,41 @@ def test_spine_logits_match_brute_force(pair, reduced):
     got = spine_logits(law, root, vocab.ids if reduced else None)
     emb = np.asarray(loaded.state["embed_tokens"]["weight"][...])
     for r in range(b):
-        prev = int(root[r])
+        prev, u = int(root[r]), None
         for k in range(depth):
-            z = head(hidden[r, k], jnp.asarray(emb[prev]))  # [h]
+            z, u = head(hidden[r, k], jnp.asarray(emb[prev]), u)  # [h], [rank]
             want = np.asarray(lm(z[None]))[0]
             np.testing.assert_allclose(np.asarray(got[r, k]), want, rtol=1e-4, atol=1e-4)
             best = int(np.argmax(want))
             prev = int(vocab.ids[best]) if reduced else best
     assert not np.allclose(np.asarray(got), np.asarray(lm(hidden)), atol=1e-2)  # the head does change the laws
-    # A tree's per-parent law: slot k given each of several parents, as the head run on the full state.
+    # A tree's per-parent law: slot k given each of several parents and the states their parents
+    # handed down, as the head run on the full state.
     parents = jnp.array([0, 7, 40, 95])
-    row = jax.tree.map(lambda x: x[1], law._replace(w_embed=None, embed=None, table=None))
-    row = row._replace(w_embed=law.w_embed, embed=law.embed, table=law.table)
+    states = jax.random.normal(jax.random.key(5), (4, 6))
+    row = law._replace(a=law.a[1], base=law.base[1])
     for k in range(depth):
-        got_k = np.asarray(child_log_probs(row, k, parents))  # [4, N]
+        got_k, got_u = child_log_probs(row, k, parents, states)  # [4, N], [4, rank]
         for i, p in enumerate(np.asarray(parents)):
-            want = jax.nn.log_softmax(lm(head(hidden[1, k], jnp.asarray(emb[p]))[None])[0])
-            np.testing.assert_allclose(got_k[i], np.asarray(want), rtol=1e-4, atol=1e-4)
+            z, u = head(hidden[1, k], jnp.asarray(emb[p]), states[i])
+            np.testing.assert_allclose(np.asarray(got_k[i]), np.asarray(jax.nn.log_softmax(lm(z[None])[0])),
+                                       rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(np.asarray(got_u[i]), np.asarray(u), rtol=1e-4, atol=1e-5)
+        # the states matter exactly when the head is recurrent
+        assert np.allclose(np.asarray(child_log_probs(row, k, parents, 0 * states)[0]), np.asarray(got_k),
+                           atol=1e-6) != recurrent
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decoding_with_a_head_equals_ar(pair, dtype, tmp_path):
-    """dflash, fixed trees and bastion through a (random, strong) head, with a reduced draft vocabulary
-    and without, emit exactly the AR tokens."""
+    """dflash, fixed trees and bastion through a (random, strong, recurrent) head, with a reduced draft
+    vocabulary and without, emit exactly the AR tokens."""
     from bastion_jax.checkpoints import load_target
 
     target, drafter = pair
     if dtype != jnp.float32:
         target = load_target(target.path, dtype)
-    grown = with_head(drafter, 8, seed=5, scale=3.0)
+    grown = with_head(drafter, 8, seed=5, scale=3.0, recurrent=True)
     d = LoadedDrafter(grown.config, grown.graphdef, jax.tree.map(lambda a: a.astype(dtype), grown.state))
     prompts = [[5, 9, 11, 40], [7, 7, 8, 30, 31, 2]]
     ranking = np.random.default_rng(1).permutation(target.config.vocab_size)
@@ -179,12 +189,27 @@ def test_head_files_round_trip_and_refusals(pair, tmp_path, capsys):
     (out / "cond_head.safetensors").write_bytes(b"\x00" * 20)
     with pytest.raises(CheckpointError, match="corrupt conditioned-head weights"):
         load_drafter(out, target.config, jnp.float32, cond_head=True)
+    # a recurrent head round-trips with its `rec`; a config that disowns it, or a bad flag, is refused
+    rec = with_head(drafter, 6, seed=7, recurrent=True)
+    export_zlab(rec.config, rec.state, out, jnp.float32)
+    meta_rec = json.loads((out / "cond_head.json").read_text())
+    assert meta_rec["recurrent"] is True
+    back = load_drafter(out, target.config, jnp.float32, cond_head=True)
+    assert back.config.cond_head_recurrent and back.config.cond_head_rank == 6
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(back.state), nnx.to_pure_dict(rec.state))
+    (out / "cond_head.json").write_text(json.dumps(dict(meta_rec, recurrent=False)))
+    with pytest.raises(CheckpointError, match=r"holds \['fc1.bias', 'fc1.weight', 'fc2.weight', 'rec.weight'\]"):
+        load_drafter(out, target.config, jnp.float32, cond_head=True)
+    (out / "cond_head.json").write_text(json.dumps(dict(meta_rec, recurrent="yes")))
+    with pytest.raises(CheckpointError, match="recurrent must be true or false"):
+        load_drafter(out, target.config, jnp.float32, cond_head=True)
     # a drafter without a head exported over the directory leaves no stale head behind
     export_zlab(drafter.config, drafter.state, out, jnp.float32)
     assert not (out / "cond_head.json").exists() and load_drafter(out, target.config).config.cond_head_rank == 0
 
 
-def test_a_head_trained_on_a_frozen_drafter_walks_as_decoding_does(pair, tmp_path):
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_a_head_trained_on_a_frozen_drafter_walks_as_decoding_does(pair, tmp_path, recurrent):
     """`--cond-head R --freeze-drafter`: only the head moves; the trainer's teacher-forced walk (each
     slot given the true token before it) takes, row by row, exactly the steps dflash decoding through
     the exported head takes (drafting given the drafted token before it), and the head earns acceptance."""
@@ -200,7 +225,7 @@ def test_a_head_trained_on_a_frozen_drafter_walks_as_decoding_does(pair, tmp_pat
     train, val = data.split(4)
     with pytest.raises(ValueError, match="conditioned head, and it has none"):
         Trainer(target, drafter, TrainConfig(steps=1, seq_len=32, num_anchors=8, freeze_drafter=True), tmp_path)
-    grown = add_head(drafter, 16, seed=1)
+    grown = add_head(drafter, 16, seed=1, recurrent=recurrent)
     cfg = TrainConfig(steps=80, batch_size=4, seq_len=32, num_anchors=8, lr=3e-2, eval_every=20,
                       freeze_drafter=True)
     trained = Trainer(target, grown, cfg, tmp_path / "run", log=lambda m: None).fit(train, val, progress=False)
@@ -209,10 +234,13 @@ def test_a_head_trained_on_a_frozen_drafter_walks_as_decoding_does(pair, tmp_pat
     head_after = after.pop("cond_head")
     jax.tree.map(np.testing.assert_array_equal, after, before)  # the drafter did not move (no decay either)
     assert np.abs(np.asarray(head_after["fc2"]["weight"])).max() > 1e-3  # the head did
+    assert ("rec" in head_after) == recurrent
+    if recurrent:
+        assert np.abs(np.asarray(head_after["rec"]["weight"])).max() > 1e-3
 
     loaded = load_drafter(export_zlab(trained.config, trained.state, tmp_path / "export", jnp.float32), target.config,
                           cond_head=True)
-    assert loaded.config.cond_head_rank == 16
+    assert loaded.config.cond_head_rank == 16 and loaded.config.cond_head_recurrent == recurrent
     engine = Engine(target, drafter=loaded, stop_ids=[-1])
     plain = Engine(target, drafter=drafter, stop_ids=[-1])
     assert engine.generate(prompts[:4], max_new_tokens=20, mode="dflash").tokens == \
@@ -239,15 +267,17 @@ def test_a_head_trained_on_a_frozen_drafter_walks_as_decoding_does(pair, tmp_pat
     assert taus[0] > taus[1] + 0.1, taus  # the head drafts what the frozen random drafter could not
 
 
-def test_a_steps_tree_takes_each_parents_own_law(pair):
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_a_steps_tree_takes_each_parents_own_law(pair, recurrent):
     """`tree_decoding._trees` with a head's law and cond_depths 3: the nodes and scores of enumerating
-    every path whose depth-2..3 children come from the parent's own law (the head run per parent)."""
+    every path whose depth-2..3 children come from the parent's own law (the head run per parent, a
+    recurrent one along the whole path from the root)."""
     from test_tree import node_paths, per_parent_brute_force
 
     from bastion_jax.tree_decoding import _trees
 
     loaded, drafter = pair
-    grown = with_head(drafter, 6, seed=8, scale=3.0)
+    grown = with_head(drafter, 6, seed=8, scale=3.0, recurrent=recurrent)
     head = nnx.merge(grown.graphdef, grown.state).cond_head
     target = nnx.merge(loaded.graphdef, loaded.state)
     depth, vocab = BLOCK - 1, loaded.config.vocab_size
@@ -260,12 +290,52 @@ def test_a_steps_tree_takes_each_parents_own_law(pair):
     n, top_k = 9, 2
     tree, _ = _trees((1, 4, n), top_k, 3, root, logits, None, None, law)
     plain, _ = _trees((1, 4, n), top_k, 0, root, logits, None, None, None)
+    differs = []
     for r in range(2):
         row = law._replace(a=law.a[r], base=law.base[r])
-        table = np.stack([np.asarray(child_log_probs(row, d, jnp.arange(vocab))) for d in range(depth)])
+
+        def path_law(d, path, row=row, root=int(root[r])):  # the law of the children of path's last token
+            u = root_state(row, jnp.int32(root))[None]  # [1, rank]
+            for i, t in enumerate(path):
+                lp, u = child_log_probs(row, i + 1, jnp.array([t]), u)
+            return np.asarray(lp[0])
+
         shared = np.asarray(jax.nn.log_softmax(logits[r], axis=-1))
-        ref = per_parent_brute_force(int(root[r]), shared, table, 3, n - 1, top_k)
+        ref = per_parent_brute_force(int(root[r]), shared, path_law, 3, n - 1, top_k)
         one = jax.tree.map(lambda x: x[r], tree)
         assert node_paths(one) == [p for _, p in ref]
         np.testing.assert_allclose(np.asarray(one.log_probs)[1:], [s for s, _ in ref], rtol=1e-4, atol=1e-4)
-        assert node_paths(one) != node_paths(jax.tree.map(lambda x: x[r], plain))  # (the laws matter here)
+        differs.append(node_paths(one) != node_paths(jax.tree.map(lambda x: x[r], plain)))
+    assert any(differs)  # (the laws matter here)
+
+
+def test_a_frozen_drafters_steps_skip_its_backward_pass_only(pair, tmp_path, monkeypatch):
+    """`--freeze-drafter` differentiates the head alone (`train_step(head_only=True)`): the same head
+    updates as differentiating every weight and zeroing the drafter's, the drafter's weights as given."""
+    from bastion_jax.training import TokenDataset, TrainConfig, Trainer, add_head
+    from bastion_jax.training import trainer as trainer_module
+
+    target, drafter = pair
+    rng = np.random.default_rng(4)
+    rows = [{"prompt_ids": [int(t) for t in rng.integers(4, 90, 4)], "response_ids": [int(t) for t in rng.integers(4, 90, 20)]}
+            for _ in range(12)]
+    train, val = TokenDataset(rows, seq_len=32, vocab_size=target.config.vocab_size).split(4)
+    cfg = TrainConfig(steps=3, batch_size=4, seq_len=32, num_anchors=8, lr=1e-2, eval_every=100, walk_rows=0,
+                      freeze_drafter=True)
+    grown = add_head(drafter, 8, seed=2, recurrent=True)
+    runs, flags, real = [], [], trainer_module.train_step
+    for head_only in (True, False):
+        def step(*a, _real=real, _head_only=head_only, **k):
+            flags.append(k["head_only"])
+            return _real(*a, **dict(k, head_only=_head_only))
+
+        monkeypatch.setattr(trainer_module, "train_step", step)
+        runs.append(nnx.to_pure_dict(Trainer(target, grown, cfg, tmp_path / str(head_only), log=lambda m: None)
+                                     .fit(train, val, progress=False).state))
+    assert flags == [True] * 6  # the trainer asks for the head alone when the drafter is frozen
+    fast, full = runs
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), fast, full)
+    before = nnx.to_pure_dict(grown.state)
+    assert not np.allclose(fast["cond_head"]["rec"]["weight"], before["cond_head"]["rec"]["weight"])
+    fast.pop("cond_head"), before.pop("cond_head")
+    jax.tree.map(np.testing.assert_array_equal, fast, before)

@@ -155,7 +155,8 @@ def test_pair_candidates_hold_every_depths_top_m(chain):
 
 def per_parent_brute_force(root, shared, law, n_cond, m, top_k, ids=None, chain=None, first=0.0, cont=0.0):
     """Every path whose children come from the parent's own row (`law[d, parent]` for d in
-    1..n_cond-1, the shared row `shared[d]` elsewhere; columns are token `ids`), each row's top-k plus
+    1..n_cond-1, or `law(d, path)` for a law of the whole path; the shared row `shared[d]` elsewhere;
+    columns are token `ids`), each row's top-k plus
     the chain's token, scored by the two-state rule of `lookup` (see `test_lookup.two_state_brute_force`);
     the best m by (score desc, depth asc)."""
     depth, vocab = shared.shape
@@ -168,7 +169,7 @@ def per_parent_brute_force(root, shared, law, n_cond, m, top_k, ids=None, chain=
         d = len(path)
         if d == depth:
             return
-        row = law[d, parent] if 1 <= d < n_cond else shared[d]
+        row = (law(d, path) if callable(law) else law[d, parent]) if 1 <= d < n_cond else shared[d]
         top = [int(ids[c]) for c in np.argsort(-row)[:top_k]]
         cands = top + ([chain[d]] if chain[d] >= 0 and chain[d] not in top else [])
         w = (first if d == 0 else cont) if chain[d] >= 0 else 0.0
@@ -212,9 +213,45 @@ def test_per_parent_tree_equals_brute_force(seed):
     n = int(rng.integers(2, len(ref) + 3))
     c = None if chain is None else Chain(jnp.asarray(chain, jnp.int32), jnp.float32(first), jnp.float32(cont))
     law_j = jnp.asarray(law)
-    tree = jax.jit(lambda r, lp, i, c: build_tree(r, lp, n, top_k, i, c, lambda d, parents: law_j[d][parents],
+    tree = jax.jit(lambda r, lp, i, c: build_tree(r, lp, n, top_k, i, c, lambda d, p, s: (law_j[d][p], s),
                                                   n_cond))(
         jnp.int32(root), jnp.asarray(shared), None if ids is None else jnp.asarray(ids, jnp.int32), c)
+    want = ref[: n - 1]
+    valid = np.asarray(tree.tokens)[1:] >= 0
+    assert valid.sum() == len(want)
+    assert node_paths(tree)[: len(want)] == [p for _, p in want]
+    np.testing.assert_allclose(np.asarray(tree.log_probs)[1:][valid], [s for s, _ in want], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_per_parent_laws_of_the_whole_path(seed):
+    """A law that depends on every token above a node (a recurrent head): the state each parent hands
+    its children (here a code of the path so far) reaches exactly that parent's children, so the tree
+    equals enumerating every path with its own law."""
+    rng = np.random.default_rng(900 + seed)
+    depth, vocab = int(rng.integers(3, 5)), int(rng.integers(3, 5))
+    top_k, n_cond = int(rng.integers(2, vocab + 1)), int(rng.integers(3, depth + 1))
+    shared = random_lattice(rng, depth, vocab)
+    codes = 1 + vocab ** (depth + 1)  # a path's code: its tokens in base vocab + 1, one row per code
+    rows = np.stack([random_lattice(rng, codes, vocab) for _ in range(depth)])  # [depth, code, vocab]
+    root = int(rng.integers(0, vocab))
+
+    def code(path):
+        c = root + 1
+        for t in path:
+            c = c * (vocab + 1) + t + 1
+        return c % codes
+
+    ref = per_parent_brute_force(root, shared, lambda d, path: rows[d, code(path)], n_cond, 400, top_k)
+    n = int(rng.integers(2, len(ref) + 3))
+    rows_j = jnp.asarray(rows)
+
+    def child_law(d, parents, states):  # states [m, 1]: the code of each parent's parent's path
+        own = (states[:, 0] * (vocab + 1) + parents + 1) % codes
+        return rows_j[d][own], own[:, None]
+
+    tree = jax.jit(lambda r, lp: build_tree(r, lp, n, top_k, None, None, child_law, n_cond,
+                                            jnp.array([root + 1], jnp.int32)))(jnp.int32(root), jnp.asarray(shared))
     want = ref[: n - 1]
     valid = np.asarray(tree.tokens)[1:] >= 0
     assert valid.sum() == len(want)
@@ -229,7 +266,7 @@ def test_per_parent_tree_keeps_the_last_parents_peaked_child():
     law = np.log(np.full((2, 3, 3), 1 / 3))
     law[1, 1] = np.log([0.99, 0.005, 0.005])  # token 1's child 0 is near certain
     law_j = jnp.asarray(law)
-    tree = build_tree(jnp.int32(2), jnp.asarray(shared), 4, 3, None, None, lambda d, p: law_j[d][p], 2)
+    tree = build_tree(jnp.int32(2), jnp.asarray(shared), 4, 3, None, None, lambda d, p, s: (law_j[d][p], s), 2)
     assert node_paths(tree) == [(0,), (1,), (1, 0)]
     ref = per_parent_brute_force(2, shared, law, 2, 3, 3)
     assert [p for _, p in ref] == node_paths(tree)

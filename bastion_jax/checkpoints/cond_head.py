@@ -2,8 +2,9 @@
 
 A z-lab DFlash checkpoint (config.json + model.safetensors) stays exactly that: other DFlash code
 reads it unchanged. The head lives beside it in `cond_head.safetensors` (`fc1.weight` [rank, 2h],
-`fc1.bias` [rank], `fc2.weight` [h, rank]) and `cond_head.json` (`rank`, `hidden_size`, how it was
-trained, and a fingerprint of the drafter it was trained on). Every file is checked against the
+`fc1.bias` [rank], `fc2.weight` [h, rank], and `rec.weight` [rank, rank] for a recurrent head) and
+`cond_head.json` (`rank`, `hidden_size`, `recurrent`, how it was trained, and a fingerprint of the
+drafter it was trained on). Every file is checked against the
 drafter before anything is kept: a head of another width, a truncated file or a head trained on
 another drafter's hidden states (same shapes, so it would load and quietly draft worse) is refused
 in one line, never broadcast or ignored.
@@ -53,13 +54,14 @@ def has_head(path: str | Path) -> bool:
     return (Path(path) / HEAD_CONFIG).is_file()
 
 
-def head_shapes(hidden_size: int, rank: int) -> dict[str, dict[str, tuple[int, ...]]]:
-    return {"fc1": {"weight": (rank, 2 * hidden_size), "bias": (rank,)}, "fc2": {"weight": (hidden_size, rank)}}
+def head_shapes(hidden_size: int, rank: int, recurrent: bool = False) -> dict[str, dict[str, tuple[int, ...]]]:
+    shapes = {"fc1": {"weight": (rank, 2 * hidden_size), "bias": (rank,)}, "fc2": {"weight": (hidden_size, rank)}}
+    return {**shapes, "rec": {"weight": (rank, rank)}} if recurrent else shapes
 
 
 def read_head(path: str | Path, hidden_size: int, drafter: dict[str, Any] | None = None
               ) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
-    """(rank, the head's tensors as a nested dict) of the head beside drafter dir `path`, checked
+    """(rank, the head's tensors as a nested dict: a recurrent head's hold "rec") of the head beside drafter dir `path`, checked
     against the drafter's `hidden_size` and, given its parameters (`drafter`, a nested dict), the
     fingerprint the head was exported with. Raises ConversionError with one line naming the problem."""
     from safetensors import SafetensorError
@@ -69,6 +71,9 @@ def read_head(path: str | Path, hidden_size: int, drafter: dict[str, Any] | None
     try:
         meta = json.loads((path / HEAD_CONFIG).read_text())
         rank, width = int(meta["rank"]), int(meta["hidden_size"])
+        recurrent = meta.get("recurrent", False)
+        if not isinstance(recurrent, bool):
+            raise ValueError(f"recurrent must be true or false, got {recurrent!r}")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConversionError(f"unreadable conditioned-head config {path / HEAD_CONFIG}: {e}") from None
     if meta.get("format", HEAD_FORMAT) != HEAD_FORMAT:
@@ -85,7 +90,7 @@ def read_head(path: str | Path, hidden_size: int, drafter: dict[str, Any] | None
         flat = load_file(str(path / HEAD_WEIGHTS))
     except (OSError, SafetensorError) as e:
         raise ConversionError(f"missing or corrupt conditioned-head weights {path / HEAD_WEIGHTS}: {e}") from None
-    expected = head_shapes(hidden_size, rank)
+    expected = head_shapes(hidden_size, rank, recurrent)
     names = {f"{m}.{p}" for m, ps in expected.items() for p in ps}
     if set(flat) != names:
         raise ConversionError(f"{path / HEAD_WEIGHTS} holds {sorted(flat)}, expected {sorted(names)}")
@@ -110,7 +115,7 @@ def write_head(out: str | Path, head: dict[str, Any], dtype: jnp.dtype = jnp.bfl
     w2 = np.asarray(head["fc2"]["weight"])
     tensors = {f"{m}.{p}": np.asarray(jnp.asarray(v, dtype)) for m, ps in head.items() for p, v in ps.items()}
     save_file(tensors, str(out / HEAD_WEIGHTS))
-    meta = {"format": HEAD_FORMAT, "rank": int(w2.shape[1]), "hidden_size": int(w2.shape[0]),
+    meta = {"format": HEAD_FORMAT, "rank": int(w2.shape[1]), "hidden_size": int(w2.shape[0]), "recurrent": "rec" in head,
             "about": "parent-conditioned output head of this DFlash drafter (bastion_jax/modeling/cond_head.py); "
                      "other DFlash code may ignore it"}
     if drafter is not None:

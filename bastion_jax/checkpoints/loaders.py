@@ -276,7 +276,7 @@ def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None
         if cond_head and has_head(path):
             base = nnx.to_pure_dict(state)
             rank, head = read_head(path, cfg.hidden_size, base)
-            cfg = dataclasses.replace(cfg, cond_head_rank=rank)
+            cfg = dataclasses.replace(cfg, cond_head_rank=rank, cond_head_recurrent="rec" in head)
             dtype = jax.tree.leaves(state)[0].dtype
             graphdef, state = _merge(cfg, dtype, {**base, "cond_head": head})
     except (ConversionError, ConfigError) as e:

@@ -2,26 +2,30 @@
 
 Why: a DFlash block drafts every slot from the same all-mask block, so slot k's law is a marginal
 over the drafter's doubt about slots < k. Verification accepts slot k only when every earlier draft
-was right, so the law that pays is slot k's *given the token before it*. The head adds that:
+was right, so the law that pays is slot k's *given the tokens before it*. The head adds that:
 
-    z_k = h_k + fc2(silu(fc1([h_k ; e(x_{k-1})])))
+    u_k = silu(fc1([h_k ; e(x_{k-1})]) + rec(u_{k-1})),   z_k = h_k + fc2(u_k),   u_0 = 0
 
 with h_k the drafter's final hidden state of slot k, e the target's embedding and x_0 the block's
-root. `fc2` starts at zero, so a new head is exactly the drafter without one. Training conditions on
-the true previous token (`training/forward.conditioned`); drafting on the drafted one (`spine_logits`): slot 1 on
-the root, slot k on the argmax of slot k-1's conditioned law. For a chain that is exact teacher
-forcing while the run lasts (the draft before an accepted one is the true token); a tree uses the
-conditioned laws along that spine as its per-depth marginals, or takes depths 2..N from each
-parent's own law (`child_log_probs`). The shipped SmolLM2 head (rank 256, 1,200 CPU steps on the frozen
-v14): chain tau +6%, 32-node trees +4% (spine) / +8% (depths 2-4 per parent) on the evaluation sets
-(`benchmarks/results/cpu-smollm2-cond-head.md`).
+root. Without `rec` (the first heads, `recurrent` false) slot k sees only the token just before it;
+with it, u_{k-1} carries every drafted token back to the root (the block's first slots know the root
+from the drafter itself, so what `rec` adds is x_1..x_{k-2} from slot 3 on). `fc2` and `rec` start
+at zero, so a new head is exactly the drafter without one, and a grown `rec` exactly the head it
+grew from. Training conditions on the true previous tokens (`training/forward.conditioned`);
+drafting on the drafted ones (`spine_logits`): slot 1 on the root, slot k on the argmax of slot k-1's
+conditioned law. For a chain that is exact teacher forcing while the run lasts (the drafts before an
+accepted one are the true tokens); a tree uses the conditioned laws along that spine as its
+per-depth marginals, or takes depths 2..N from each parent's own law (`child_log_probs`, which
+hands each parent's state to its children). The shipped SmolLM2 head (rank 256, 1,200 CPU steps on
+the frozen v14): chain tau +6%, 32-node trees +4% (spine) / +8% (depths 2-4 per parent) on the
+evaluation sets (`benchmarks/results/cpu-smollm2-cond-head.md`).
 
 Cost: with H the LM-head rows the drafter scores, slot k's logits are H h_k + (H W2) u_k: the first
 term for every slot in one product (as without a head), the second an [N, rank] table (`head_table`,
 made once per engine: with the draft vocabulary, or for the chain's full vocabulary) times the
-rank-sized u_k, one slot after another. Small on an accelerator; on a 2-core CPU those 15 sequential
-products cost more than the CPU's small trees gain, so the head is off there by default
-(`checkpoints.cond_head.default_cond_head`).
+rank-sized u_k, one slot after another (`rec` adds a [rank, rank] product per slot). Small on an
+accelerator; on a 2-core CPU those 15 sequential products cost more than the CPU's small trees
+gain, so the head is off there by default (`checkpoints.cond_head.default_cond_head`).
 """
 
 from __future__ import annotations
@@ -37,18 +41,29 @@ from bastion_jax.modeling.layers import Linear, project
 
 class CondHead(nnx.Module):
     """`fc1` [rank, 2h] (+ bias) over [hidden ; previous token's embedding], `fc2` [h, rank] back to a
-    residual added to the hidden state (names as a `torch.nn.Linear` pair would store them)."""
+    residual added to the hidden state, and with `recurrent` `rec` [rank, rank] from the previous
+    slot's state (names as `torch.nn.Linear` modules would store them)."""
 
-    def __init__(self, hidden_size: int, rank: int, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, hidden_size: int, rank: int, *, recurrent: bool = False, dtype: jnp.dtype = jnp.float32,
+                 rngs: nnx.Rngs):
         self.fc1 = Linear(2 * hidden_size, rank, use_bias=True, dtype=dtype, rngs=rngs)
         self.fc2 = Linear(rank, hidden_size, dtype=dtype, rngs=rngs)
         self.fc2.weight = nnx.Param(jnp.zeros((hidden_size, rank), dtype))  # a new head changes nothing
+        self.rec = Linear(rank, rank, dtype=dtype, rngs=rngs) if recurrent else None
+        if self.rec is not None:
+            self.rec.weight = nnx.Param(jnp.zeros((rank, rank), dtype))  # nor does a new `rec`
         self.hidden_size = hidden_size
 
-    def __call__(self, hidden: jax.Array, prev_emb: jax.Array) -> jax.Array:
-        """hidden [..., h] conditioned on prev_emb [..., h] (the previous token's embedding) -> [..., h]."""
+    def __call__(self, hidden: jax.Array, prev_emb: jax.Array, state: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+        """hidden [..., h] conditioned on prev_emb [..., h] (the previous token's embedding) and the
+        previous slot's state [..., rank] (None: slot 1's, zero) -> (hidden [..., h], state [..., rank])."""
         x = jnp.concatenate([hidden, prev_emb.astype(hidden.dtype)], axis=-1)  # [..., 2h]
-        return hidden + self.fc2(jax.nn.silu(self.fc1(x)))
+        pre = self.fc1(x)
+        if self.rec is not None and state is not None:
+            pre = pre + self.rec(state.astype(pre.dtype))
+        u = jax.nn.silu(pre)  # [..., rank]
+        return hidden + self.fc2(u), u
 
     def split_fc1(self) -> tuple[jax.Array, jax.Array]:
         """fc1's columns for the hidden state and for the embedding: [rank, h] each."""
@@ -72,6 +87,11 @@ class HeadLaw(NamedTuple):
     w_embed: jax.Array  # [rank, h] fc1's embedding columns
     embed: jax.Array  # [V, h] the target's embedding table
     table: jax.Array  # [N, rank] (`head_table`)
+    w_rec: jax.Array | None = None  # [rank, rank] `rec` (a recurrent head), else None
+
+
+# The axes a vmap over rows maps: `a` and `base` per row, the rest shared.
+LAW_ROW_AXES = HeadLaw(0, 0, None, None, None, None)
 
 
 def head_law(head: CondHead, hidden: jax.Array, base: jax.Array, embed: jax.Array, table: jax.Array) -> HeadLaw:
@@ -79,34 +99,57 @@ def head_law(head: CondHead, hidden: jax.Array, base: jax.Array, embed: jax.Arra
     embed: [V, h] the target's embedding table; table: [N, rank]."""
     w_h, w_e = head.split_fc1()
     a = project("...h,rh->...r", hidden, w_h) + head.fc1.bias[...]  # [b, D, rank]: every slot at once
-    return HeadLaw(a, base.astype(jnp.float32), w_e, embed, table)
+    w_rec = head.rec.weight[...] if head.rec is not None else None
+    return HeadLaw(a, base.astype(jnp.float32), w_e, embed, table, w_rec)
 
 
-def conditioned_logits(law: HeadLaw, slot: jax.Array, prev: jax.Array) -> jax.Array:
-    """Logits [..., N] of slot `slot` (0-based: slot 1 is 0) given previous target ids `prev` [...],
-    for one row's law (`a` [D, rank], `base` [D, N]): H h + table silu(a + W1e e(prev))."""
-    u = jax.nn.silu(law.a[slot] + project("...h,rh->...r", jnp.take(law.embed, prev, axis=0), law.w_embed))
-    return law.base[slot] + project("...r,nr->...n", u, law.table, jnp.float32)
+def head_state(law: HeadLaw, slot: jax.Array, prev: jax.Array, state: jax.Array) -> jax.Array:
+    """u [..., rank] of slot `slot` (0-based: slot 1 is 0) given previous target ids `prev` [...] and
+    the previous slot's states [..., rank] (zeros for slot 1; unread without `rec`), for one row's law
+    (`a` [D, rank])."""
+    pre = law.a[slot] + project("...h,rh->...r", jnp.take(law.embed, prev, axis=0), law.w_embed)
+    if law.w_rec is not None:
+        pre = pre + project("...r,sr->...s", state.astype(pre.dtype), law.w_rec)
+    return jax.nn.silu(pre)
 
 
-def child_log_probs(law: HeadLaw, slot: jax.Array, parents: jax.Array) -> jax.Array:
-    """One row's law of slot `slot` for each parent token [m] -> log-probs [m, N] (`tree.build_tree`'s
-    `child_law`: the children of depth slot + 1 drawn from each kept parent's own law)."""
-    return jax.nn.log_softmax(conditioned_logits(law, slot, parents), axis=-1)
+def conditioned_logits(law: HeadLaw, slot: jax.Array, prev: jax.Array, state: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+    """(logits [..., N], u [..., rank]) of slot `slot` given `prev` and the previous slot's state
+    (`head_state`), for one row's law (`base` [D, N]): H h + table u."""
+    u = head_state(law, slot, prev, state)
+    return law.base[slot] + project("...r,nr->...n", u, law.table, jnp.float32), u
+
+
+def root_state(law: HeadLaw, root: jax.Array) -> jax.Array:
+    """Slot 1's state [rank] given the root (one row's law): what a tree's root hands its children."""
+    return head_state(law, 0, root, jnp.zeros(law.a.shape[-1:], law.a.dtype))
+
+
+def child_log_probs(law: HeadLaw, slot: jax.Array, parents: jax.Array, states: jax.Array
+                    ) -> tuple[jax.Array, jax.Array]:
+    """One row's law of slot `slot` for each parent token [m], given the states [m, rank] their own
+    parents handed down -> (log-probs [m, N], the parents' states [m, rank] for their children)
+    (`tree.build_tree`'s `child_law`: the children of depth slot + 1 drawn from each kept parent's
+    own law)."""
+    logits, u = conditioned_logits(law, slot, parents, states)
+    return jax.nn.log_softmax(logits, axis=-1), u
 
 
 def spine_logits(law: HeadLaw, root: jax.Array, ids: jax.Array | None) -> jax.Array:
-    """Every slot's logits [b, D, N] float32 conditioned on the drafted token before it: slot 1 given
+    """Every slot's logits [b, D, N] float32 conditioned on the drafted tokens before it: slot 1 given
     the root [b] (target ids), slot k given slot k-1's argmax under its own conditioned law (the spine
     a greedy chain drafts); `ids` [N] maps columns to target ids (a reduced draft vocabulary; None:
     the column is the id)."""
 
-    def slot(prev: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits = jax.vmap(conditioned_logits, in_axes=(HeadLaw(0, 0, None, None, None), None, 0))(law, k, prev)
+    def slot(carry: tuple[jax.Array, jax.Array], k: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+        prev, state = carry  # [b], [b, rank]
+        logits, u = jax.vmap(conditioned_logits, in_axes=(LAW_ROW_AXES, None, 0, 0))(law, k, prev, state)
         best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b] column
-        return (best if ids is None else ids[best]), logits  # [b], [b, N]
+        return ((best if ids is None else ids[best]), u), logits  # [b], [b, N]
 
-    _, logits = jax.lax.scan(slot, root.astype(jnp.int32), jnp.arange(law.a.shape[1]))
+    state0 = jnp.zeros(law.a.shape[:1] + law.a.shape[2:], law.a.dtype)  # [b, rank]
+    _, logits = jax.lax.scan(slot, (root.astype(jnp.int32), state0), jnp.arange(law.a.shape[1]))
     return jnp.moveaxis(logits, 0, 1)  # [b, D, N]
 
 

@@ -97,8 +97,9 @@ class Drafter(nnx.Module):
         else:  # `layers[i].<HF name>`
             self.layers = nnx.List([DrafterLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        # The optional head that conditions each slot's law on the token before it (after `norm`).
-        self.cond_head = CondHead(cfg.hidden_size, cfg.cond_head_rank, dtype=dtype, rngs=rngs) if cfg.cond_head_rank else None
+        # The optional head that conditions each slot's law on the tokens before it (after `norm`).
+        self.cond_head = CondHead(cfg.hidden_size, cfg.cond_head_rank, recurrent=cfg.cond_head_recurrent, dtype=dtype,
+                                  rngs=rngs) if cfg.cond_head_rank else None
 
     def __call__(self, block_emb: jax.Array, ctx_features: jax.Array, ctx_start: jax.Array | None,
                  ctx_len: jax.Array, cache: KVCache, active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:

@@ -154,7 +154,7 @@ def anchored_forward(drafter, embed: jax.Array, features: jax.Array, tokens: jax
 def conditioned(drafter, embed: jax.Array, hidden: jax.Array, tokens: jax.Array, positions: jax.Array,
                 dtype) -> jax.Array:
     """Slots 1..B-1's hidden states [b, N, B-1, h] through the drafter's conditioned head, if it has
-    one (`modeling/cond_head.py`), each given the true token before it (the block's root for slot 1):
+    one (`modeling/cond_head.py`), each given the true tokens before it (the block's root for slot 1):
     teacher forcing, which for a chain is exactly what drafting sees while its run lasts.
     positions: [b, N, B] the blocks' positions in tokens [b, S]."""
     head = drafter.cond_head
@@ -164,4 +164,15 @@ def conditioned(drafter, embed: jax.Array, hidden: jax.Array, tokens: jax.Array,
     prev_pos = jnp.minimum(positions[:, :, :-1], tokens.shape[1] - 1).reshape(b, n * (blk - 1))
     prev = jnp.take_along_axis(tokens, prev_pos, axis=1).reshape(b, n, blk - 1)  # [b, N, B-1]
     x = jnp.concatenate([hidden, jnp.take(embed, prev, axis=0).astype(hidden.dtype)], axis=-1)  # [b, N, B-1, 2h]
-    return hidden + _linear(head.fc2, jax.nn.silu(_linear(head.fc1, x, dtype)), dtype)
+    pre = _linear(head.fc1, x, dtype)  # [b, N, B-1, rank]
+    if head.rec is None:
+        u = jax.nn.silu(pre)
+    else:  # u_k = silu(pre_k + rec u_{k-1}), u_0 = 0: a scan over the block's slots
+
+        def slot(state: jax.Array, pre_k: jax.Array) -> tuple[jax.Array, jax.Array]:
+            u_k = jax.nn.silu(pre_k + _linear(head.rec, state, dtype))
+            return u_k, u_k
+
+        _, u = jax.lax.scan(slot, jnp.zeros_like(pre[:, :, 0]), jnp.moveaxis(pre, 2, 0))
+        u = jnp.moveaxis(u, 0, 2)  # [b, N, B-1, rank]
+    return hidden + _linear(head.fc2, u, dtype)

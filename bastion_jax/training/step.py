@@ -31,6 +31,7 @@ from flax import nnx
 from bastion_jax.training.forward import anchored_forward, matmul, target_features, teacher_logits
 from bastion_jax.training.objective import (Blocks, Objective, block_loss, first_misses, restrict_vocab,
                                             sample_anchors, top1_correct)
+from bastion_jax.training.optim import is_head
 from bastion_jax.training.vocab import LossVocab
 
 
@@ -66,17 +67,26 @@ def _loss(params, drafter_def, vocab: LossVocab, embed, features, tokens, loss_m
     return metrics.loss, (metrics, misses)
 
 
-_STATIC = ("drafter_def", "obj", "tx", "matmul_dtype")
+_STATIC = ("drafter_def", "obj", "tx", "matmul_dtype", "head_only")
 
 
 @partial(jax.jit, static_argnames=_STATIC, donate_argnames=("params", "opt_state"))
 def train_step(params, opt_state, vocab: LossVocab, embed, features, tokens, loss_mask, key, prefer=None, *,
-               drafter_def, obj: Objective, tx: optax.GradientTransformation, matmul_dtype: str):
+               drafter_def, obj: Objective, tx: optax.GradientTransformation, matmul_dtype: str,
+               head_only: bool = False):
     """One AdamW step on a batch tokens/loss_mask [b, S] with target features [b, S, F]; prefer [b, S]
     (with `obj.miss_weight`) the rows' misses on their last visit. Returns the new parameters and
-    optimizer state, the metrics and this visit's misses (None without `obj.miss_weight`)."""
-    grads, (metrics, misses) = jax.grad(_loss, has_aux=True)(params, drafter_def, vocab, embed, features, tokens,
-                                                              loss_mask, key, obj, matmul_dtype, prefer)
+    optimizer state, the metrics and this visit's misses (None without `obj.miss_weight`).
+
+    `head_only` (a frozen drafter, `TrainConfig.freeze_drafter`): only the conditioned head is
+    differentiated; the drafter's weights enter as constants, so its backward pass is never run
+    (their gradients are zeros, which `optim.only_head` zeroes anyway)."""
+    def loss(p):
+        if head_only:
+            p = jax.tree_util.tree_map_with_path(lambda path, x: x if is_head(path) else jax.lax.stop_gradient(x), p)
+        return _loss(p, drafter_def, vocab, embed, features, tokens, loss_mask, key, obj, matmul_dtype, prefer)
+
+    grads, (metrics, misses) = jax.grad(loss, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, metrics, misses
 

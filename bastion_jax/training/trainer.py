@@ -305,7 +305,8 @@ class Trainer:
             prefer = None if misses is None else jnp.asarray(misses[idx])
             params, opt_state, m, seen = train_step(params, opt_state, self.vocab, self.embed, store.get(idx),
                                                     jnp.asarray(train.tokens[idx]), jnp.asarray(train.loss_mask[idx]),
-                                                    jax.random.fold_in(key, step), prefer, tx=self.tx, **self.static)
+                                                    jax.random.fold_in(key, step), prefer, tx=self.tx,
+                                                    head_only=self.cfg.freeze_drafter, **self.static)
             if misses is not None:
                 misses[idx] = np.asarray(seen)  # what the next visit of these rows prefers
             if ema is not None:

@@ -127,20 +127,25 @@ def widen_taps(drafter: LoadedDrafter, num_taps: int) -> LoadedDrafter:
     return dataclasses.replace(drafter, config=wider.config, graphdef=wider.graphdef, state=wider.state, path=None)
 
 
-def add_head(drafter: LoadedDrafter, rank: int, seed: int = 0) -> LoadedDrafter:
+def add_head(drafter: LoadedDrafter, rank: int, seed: int = 0, recurrent: bool = False) -> LoadedDrafter:
     """`drafter` plus a new conditioned head of `rank` (`modeling/cond_head.py`; `--cond-head R`): every
     drafter weight kept, fc2 at zero, so it drafts exactly as before until the head is trained. A
-    drafter that already has a head keeps it when the rank agrees; another rank is refused."""
+    drafter that already has a head keeps it when the rank agrees (another rank is refused); with
+    `recurrent` (`--cond-head-recurrent`) a head without `rec` gains one at zero, so the grown head
+    drafts exactly as the one it grew from."""
     have = drafter.config.cond_head_rank
-    if have:
-        if have != rank:
-            raise ValueError(f"--cond-head {rank}: the drafter already has a conditioned head of rank {have}")
-        return drafter
+    if have and have != rank:
+        raise ValueError(f"--cond-head {rank}: the drafter already has a conditioned head of rank {have}")
     if rank < 1:
         raise ValueError(f"--cond-head must be >= 1, got {rank}")
-    grown = random_drafter(dataclasses.replace(drafter.config, cond_head_rank=rank),
+    if have and (drafter.config.cond_head_recurrent or not recurrent):
+        return drafter
+    grown = random_drafter(dataclasses.replace(drafter.config, cond_head_rank=rank, cond_head_recurrent=recurrent),
                            dtype=jax.tree.leaves(drafter.state)[0].dtype, seed=seed)
     pure = nnx.to_pure_dict(grown.state)
-    pure.update(nnx.to_pure_dict(drafter.state))  # the drafter's own weights; the head as initialised
+    own = nnx.to_pure_dict(drafter.state)
+    if "cond_head" in own:  # fc1 and fc2 as trained; `rec` as initialised (zero)
+        own["cond_head"] = {**pure["cond_head"], **own["cond_head"]}
+    pure.update(own)  # the drafter's own weights; a new head as initialised
     nnx.replace_by_pure_dict(grown.state, pure)
     return dataclasses.replace(drafter, config=grown.config, graphdef=grown.graphdef, state=grown.state)
