@@ -280,7 +280,7 @@ def test_a_steps_tree_takes_each_parents_own_law(pair, recurrent):
     grown = with_head(drafter, 6, seed=8, scale=3.0, recurrent=recurrent)
     head = nnx.merge(grown.graphdef, grown.state).cond_head
     target = nnx.merge(loaded.graphdef, loaded.state)
-    depth, vocab = BLOCK - 1, loaded.config.vocab_size
+    depth = BLOCK - 1
     hidden = jax.random.normal(jax.random.key(2), (2, depth, loaded.config.hidden_size))
     lm = (lambda x: head_logits(target, x))
     law = head_law(head, hidden, lm(hidden), target.embed_tokens.weight[...], head_table(head, lm))
