@@ -136,6 +136,13 @@ class DrafterConfig:
     # before it, not only the last); likewise from `cond_head.json`.
     cond_head_recurrent: bool = False
 
+    @property
+    def head_words(self) -> str:
+        """The conditioned head in words, for logs and reports ("" without one)."""
+        if not self.cond_head_rank:
+            return ""
+        return f"{'recurrent ' if self.cond_head_recurrent else ''}conditioned head of rank {self.cond_head_rank}"
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any], target: TargetConfig | None = None) -> "DrafterConfig":
         """Parse a z-lab config.json (see the field list above); `target` supplies defaults the file may omit."""

@@ -115,9 +115,9 @@ def load_models(args, log):
     # computes in the target's dtype
     drafter = load_drafter(drafter_arg, target.config, target.dtype,
                            cond_head=resolve_cond_head(getattr(args, "cond_head", "auto")))
-    rank = drafter.config.cond_head_rank
+    head = drafter.config.head_words
     log(f"drafter: {drafter_arg} ({drafter.config.num_hidden_layers} layers, block size "
-        f"{drafter.config.block_size}{f', conditioned head of rank {rank}' if rank else ''}, computing in "
+        f"{drafter.config.block_size}{f', {head}' if head else ''}, computing in "
         f"{target.dtype.name} like the target)")
     return path, target, drafter
 

@@ -373,7 +373,7 @@ def run_eval(args, target, log) -> None:
                 "max_new_tokens": args.max_new_tokens, "buckets": list(buckets), "tree_top_k": args.tree_top_k,
                 "draft_vocab": args.draft_vocab, "lookup": args.lookup, "datastore": args.datastore,
                 "batch_size": args.batch_size, "cond_head_rank": drafter.config.cond_head_rank,
-                "cond_depths": engine.cond_depths, "prompts": {n: len(p) for n, p in sets.items()}}
+                "cond_head_recurrent": drafter.config.cond_head_recurrent, "cond_depths": engine.cond_depths, "prompts": {n: len(p) for n, p in sets.items()}}
         training = Path(drafter_dir) / "training.json"
         if training.is_file():
             meta["drafter_training"] = json.loads(training.read_text())
@@ -382,7 +382,7 @@ def run_eval(args, target, log) -> None:
                 f"{meta['device']}, {meta['date']}, {meta['dtype']}; {args.max_new_tokens} new tokens, T=0, "
                 f"first {args.max_prompts} prompts per set, batches of {args.batch_size}, context lookup {args.lookup} "
                 f"(datastore {args.datastore}) (tree modes)"
-                + (f", conditioned head of rank {meta['cond_head_rank']} (per-parent depths {engine.cond_depths})"
+                + (f", {drafter.config.head_words} (per-parent depths {engine.cond_depths})"
                    if meta["cond_head_rank"] else "") + "; tau = mean committed tokens per row step (accepted drafts + 1).", ""]
         out.with_suffix(".md").write_text("\n".join(head + lines) + "\n")
         log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")

@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                          "seed": args.seed},
             "reps": args.reps, "commit": commit(),
             "cond_head_rank": drafter.config.cond_head_rank if drafter is not None else 0,
+            "cond_head_recurrent": drafter is not None and drafter.config.cond_head_recurrent,
             "cond_depths": engine.cond_depths}
     training = Path(args.drafter) / "training.json"
     if training.is_file():  # how the drafter was trained travels with its numbers
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# {args.name}", "", f"{meta['device']}, {meta['date']}, {meta['dtype']}, drafter {args.drafter}, "
              f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, {sampling_words(sampling)}, "
              f"context lookup {args.lookup}"
-             + (f", conditioned head of rank {meta['cond_head_rank']} (per-parent depths {meta['cond_depths']})"
+             + (f", {drafter.config.head_words} (per-parent depths {meta['cond_depths']})"
                 if meta["cond_head_rank"] else (", conditioned head off" if args.cond_head == "off" else ""))
              + (f", batches of {args.batch} prompts" if args.batch > 1 else "")
              + (f", median-time run of {args.reps} per mode and prompt" if args.reps > 1 else ""), "",
