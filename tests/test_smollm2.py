@@ -81,6 +81,6 @@ def test_the_shipped_conditioned_head_drafts_losslessly(capsys):
                         "--mode", "fixed:8", "--cond-head", "on", "--cond-depths", "4", "--compare-ar"])
     out = capsys.readouterr()
     assert rc == 0, out.err
-    assert "conditioned head of rank 256" in out.err
+    assert "recurrent conditioned head of rank 256" in out.err
     assert float(re.search(r"\[fixed:8\].*tau ([0-9.]+)", out.err).group(1)) > 1.2, out.err
     assert "text identical to AR: yes" in out.err

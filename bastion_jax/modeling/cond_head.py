@@ -16,9 +16,10 @@ drafting on the drafted ones (`spine_logits`): slot 1 on the root, slot k on the
 conditioned law. For a chain that is exact teacher forcing while the run lasts (the drafts before an
 accepted one are the true tokens); a tree uses the conditioned laws along that spine as its
 per-depth marginals, or takes depths 2..N from each parent's own law (`child_log_probs`, which
-hands each parent's state to its children). The shipped SmolLM2 head (rank 256, 1,200 CPU steps on
-the frozen v14): chain tau +6%, 32-node trees +4% (spine) / +8% (depths 2-4 per parent) on the
-evaluation sets (`benchmarks/results/cpu-smollm2-cond-head.md`).
+hands each parent's state to its children). The shipped SmolLM2 head (rank 256, recurrent; 1,200 +
+900 CPU steps on the frozen v14): chain tau 1.67 -> 1.81 (+8%), 32-node trees with depths 2-4 per
+parent 2.31 -> 2.54 (+10%) on the evaluation sets, lookup off; the recurrent state's own share is
+about half of its last 3% (`benchmarks/results/cpu-smollm2-cond-head.md`).
 
 Cost: with H the LM-head rows the drafter scores, slot k's logits are H h_k + (H W2) u_k: the first
 term for every slot in one product (as without a head), the second an [N, rank] table (`head_table`,
