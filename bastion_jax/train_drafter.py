@@ -373,7 +373,8 @@ def run_eval(args, target, log) -> None:
                 "max_new_tokens": args.max_new_tokens, "buckets": list(buckets), "tree_top_k": args.tree_top_k,
                 "draft_vocab": args.draft_vocab, "lookup": args.lookup, "datastore": args.datastore,
                 "batch_size": args.batch_size, "cond_head_rank": drafter.config.cond_head_rank,
-                "cond_head_recurrent": drafter.config.cond_head_recurrent, "cond_depths": engine.cond_depths, "prompts": {n: len(p) for n, p in sets.items()}}
+                "cond_head_recurrent": drafter.config.cond_head_recurrent, "cond_depths": engine.cond_depths,
+                "prompts": {n: len(p) for n, p in sets.items()}}
         training = Path(drafter_dir) / "training.json"
         if training.is_file():
             meta["drafter_training"] = json.loads(training.read_text())

@@ -317,8 +317,8 @@ def test_a_frozen_drafters_steps_skip_its_backward_pass_only(pair, tmp_path, mon
 
     target, drafter = pair
     rng = np.random.default_rng(4)
-    rows = [{"prompt_ids": [int(t) for t in rng.integers(4, 90, 4)], "response_ids": [int(t) for t in rng.integers(4, 90, 20)]}
-            for _ in range(12)]
+    rows = [{"prompt_ids": [int(t) for t in rng.integers(4, 90, 4)],
+             "response_ids": [int(t) for t in rng.integers(4, 90, 20)]} for _ in range(12)]
     train, val = TokenDataset(rows, seq_len=32, vocab_size=target.config.vocab_size).split(4)
     cfg = TrainConfig(steps=3, batch_size=4, seq_len=32, num_anchors=8, lr=1e-2, eval_every=100, walk_rows=0,
                       freeze_drafter=True)

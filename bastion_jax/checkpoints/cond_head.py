@@ -61,9 +61,9 @@ def head_shapes(hidden_size: int, rank: int, recurrent: bool = False) -> dict[st
 
 def read_head(path: str | Path, hidden_size: int, drafter: dict[str, Any] | None = None
               ) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
-    """(rank, the head's tensors as a nested dict: a recurrent head's hold "rec") of the head beside drafter dir `path`, checked
-    against the drafter's `hidden_size` and, given its parameters (`drafter`, a nested dict), the
-    fingerprint the head was exported with. Raises ConversionError with one line naming the problem."""
+    """(rank, the head's tensors as a nested dict, "rec" among them for a recurrent head) of the head
+    beside drafter dir `path`, checked against the drafter's `hidden_size` and, given its parameters
+    (`drafter`, a nested dict), the fingerprint the head was exported with. Raises ConversionError with one line naming the problem."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
@@ -115,7 +115,8 @@ def write_head(out: str | Path, head: dict[str, Any], dtype: jnp.dtype = jnp.bfl
     w2 = np.asarray(head["fc2"]["weight"])
     tensors = {f"{m}.{p}": np.asarray(jnp.asarray(v, dtype)) for m, ps in head.items() for p, v in ps.items()}
     save_file(tensors, str(out / HEAD_WEIGHTS))
-    meta = {"format": HEAD_FORMAT, "rank": int(w2.shape[1]), "hidden_size": int(w2.shape[0]), "recurrent": "rec" in head,
+    meta = {"format": HEAD_FORMAT, "rank": int(w2.shape[1]), "hidden_size": int(w2.shape[0]),
+            "recurrent": "rec" in head,
             "about": "parent-conditioned output head of this DFlash drafter (bastion_jax/modeling/cond_head.py); "
                      "other DFlash code may ignore it"}
     if drafter is not None:
