@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "only the last (an --init head without one grows it at zero: it starts out drafting as before)")
     t.add_argument("--freeze-drafter", action="store_true", help="train only the conditioned head (the drafter's "
                    "weights stay as --init gave them)")
+    t.add_argument("--marginal", type=float, default=0.0, metavar="W", help="with a conditioned head trained "
+                   "together with the drafter: add W times the loss of the drafter's own law (without the head), "
+                   "which drafting without the head (the CPU default) and a tree's deeper levels read (default 0)")
     t.add_argument("--resume", action="store_true", help="continue OUT's latest checkpoint and refuse to start "
                    "without one (a rerun without --resume also continues a checkpoint it finds, and says so)")
     t.add_argument("--max-seconds", type=_positive_seconds, help="stop after this much wall time (at a step boundary: "
@@ -256,7 +259,8 @@ def run_train(args, target, log) -> None:
                       draft_vocab=draft_vocab_size(args.draft_vocab, target.config.vocab_size),
                       matmul_dtype=args.matmul_dtype, cache_features=not args.no_feature_cache,
                       distill=args.distill, walk_rows=args.walk_rows, walk_window=args.walk_window, ema=args.ema,
-                      miss_weight=args.miss_weight, freeze_drafter=args.freeze_drafter)
+                      miss_weight=args.miss_weight, freeze_drafter=args.freeze_drafter,
+                      marginal=args.marginal)
     data = TokenDataset.from_files(args.data, cfg.seq_len, target.config.vocab_size)
     if data.duplicates:
         log(f"data: {data.duplicates} rows repeat another row exactly and are dropped ({len(data)} distinct)")

@@ -339,3 +339,53 @@ def test_a_frozen_drafters_steps_skip_its_backward_pass_only(pair, tmp_path, mon
     assert not np.allclose(fast["cond_head"]["rec"]["weight"], before["cond_head"]["rec"]["weight"])
     fast.pop("cond_head"), before.pop("cond_head")
     jax.tree.map(np.testing.assert_array_equal, fast, before)
+
+
+def test_the_marginal_weight_adds_the_drafters_own_loss(pair, tmp_path):
+    """`--marginal W` (a head trained with its drafter): the loss is the conditioned law's plus W times
+    the drafter's own (the same drafter without the head, same anchors), validation walks both, and a
+    frozen drafter or a headless one refuses it."""
+    from bastion_jax.training import Objective, TokenDataset, TrainConfig, Trainer, loss_vocab, target_features
+    from bastion_jax.training.forward import anchored_forward
+    from bastion_jax.training.step import eval_step
+    from bastion_jax.training.walk import window_anchors
+
+    target, drafter = pair
+    headed = with_head(drafter, 8, seed=5, recurrent=True)
+    rng = np.random.default_rng(5)
+    rows = [{"prompt_ids": [int(t) for t in rng.integers(4, 90, 4)],
+             "response_ids": [int(t) for t in rng.integers(4, 90, 24)]} for _ in range(8)]
+    data = TokenDataset(rows, seq_len=32, vocab_size=target.config.vocab_size)
+    model = nnx.merge(target.graphdef, target.state)
+    tokens, mask = jnp.asarray(data.tokens), jnp.asarray(data.loss_mask)
+    features = target_features(model, tokens, drafter.config.target_layer_ids, jnp.float32)
+    vocab, embed, key = loss_vocab(target, None, 0), model.embed_tokens.weight[...], jax.random.key(0)
+
+    def loss(d, marginal):
+        obj = Objective(block_size=BLOCK, num_anchors=8, gamma=7.0, mask_token_id=drafter.config.mask_token_id,
+                        marginal=marginal)
+        return float(eval_step(d.state, vocab, embed, features, tokens, mask, key, drafter_def=d.graphdef,
+                               obj=obj, matmul_dtype="float32").loss)
+
+    cond, own = loss(headed, 0.0), loss(drafter, 0.0)
+    assert abs(cond - own) > 1e-3  # the head changes the law
+    np.testing.assert_allclose(loss(headed, 0.5), cond + 0.5 * own, rtol=1e-5)
+    np.testing.assert_allclose(loss(drafter, 0.5), own, rtol=1e-6)  # nothing to add without a head
+
+    train, val = data.split(4)
+    cfg = TrainConfig(steps=1, batch_size=4, seq_len=32, num_anchors=8, walk_window=20, marginal=0.5)
+    ev = Trainer(target, headed, cfg, tmp_path / "a", log=lambda m: None).evaluate(headed.state, val)
+    plain = Trainer(target, drafter, dataclasses.replace(cfg, marginal=0.0), tmp_path / "b",
+                    log=lambda m: None).evaluate(drafter.state, val)
+    assert ev["walk_tau_own"] == plain["walk_tau"] and "walk_tau_own" not in plain
+    # what that walk reads: the headed drafter's states before its head are the plain drafter's
+    anchors, valid = window_anchors(mask, 20)
+    obj = Objective(block_size=BLOCK, num_anchors=8, gamma=7.0, mask_token_id=drafter.config.mask_token_id)
+    states = {(d is headed, c): anchored_forward(nnx.merge(d.graphdef, d.state), embed, features, tokens, mask,
+                                                 anchors, valid, obj, condition=c)[0]
+              for d in (headed, drafter) for c in (True, False)}
+    np.testing.assert_array_equal(states[True, False], states[False, True])
+    assert not np.allclose(states[True, True], states[False, True], atol=1e-3)
+    for d, c in ((drafter, cfg), (headed, dataclasses.replace(cfg, freeze_drafter=True))):
+        with pytest.raises(ValueError, match="--marginal weighs the drafter's own law"):
+            Trainer(target, d, c, tmp_path / "c")

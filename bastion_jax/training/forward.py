@@ -139,16 +139,18 @@ def teacher_logits(final: jax.Array, positions: jax.Array, head: jax.Array, dtyp
 
 
 def anchored_forward(drafter, embed: jax.Array, features: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
-                     anchors: jax.Array, valid: jax.Array, obj: Objective, matmul_dtype: str = "float32"
-                     ) -> tuple[jax.Array, Blocks]:
+                     anchors: jax.Array, valid: jax.Array, obj: Objective, matmul_dtype: str = "float32",
+                     condition: bool = True) -> tuple[jax.Array, Blocks]:
     """Hidden states [b, N, B-1, h] of slots 1..B-1 of the blocks at anchors [b, N] (valid [b, N]), and
-    the blocks. embed: [V, h] the target's embedding table; features: [b, S, F] the rows' drafter taps."""
+    the blocks. embed: [V, h] the target's embedding table; features: [b, S, F] the rows' drafter taps.
+    `condition`: through the drafter's conditioned head, if it has one (else the states before it)."""
     blocks = make_blocks(tokens, loss_mask, anchors, valid, obj)
     emb = jnp.take(embed, blocks.ids, axis=0)  # [b, N, B, h]
     hidden = drafter_blocks(drafter, emb, blocks.positions, anchors, valid, features.astype(jnp.float32),
-                            jnp.dtype(matmul_dtype))
-    hidden = conditioned(drafter, embed, hidden[:, :, 1:], tokens, blocks.positions, jnp.dtype(matmul_dtype))
-    return hidden, blocks  # slot 0 is the anchor itself: untrained
+                            jnp.dtype(matmul_dtype))[:, :, 1:]  # slot 0 is the anchor itself: untrained
+    if condition:
+        hidden = conditioned(drafter, embed, hidden, tokens, blocks.positions, jnp.dtype(matmul_dtype))
+    return hidden, blocks
 
 
 def conditioned(drafter, embed: jax.Array, hidden: jax.Array, tokens: jax.Array, positions: jax.Array,

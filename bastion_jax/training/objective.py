@@ -38,6 +38,14 @@ class Objective:
     # Anchors at the positions where the row's chains missed on its last visit (`first_misses`) are
     # drawn this many times as often as others (1: uniform anchors).
     miss_weight: float = 1.0
+    # For a drafter with a conditioned head trained with it: the weight of the drafter's own law (its
+    # hidden states before the head) in the loss, beside the conditioned law's. Drafting without the
+    # head (the CPU default) and a tree's deeper levels read that law, so joint training keeps it.
+    marginal: float = 0.0
+
+    def __post_init__(self):
+        if self.marginal < 0.0:
+            raise ValueError(f"marginal must be >= 0, got {self.marginal}")
 
 
 class Blocks(NamedTuple):

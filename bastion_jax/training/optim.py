@@ -45,6 +45,9 @@ class TrainConfig:
     # Train only the drafter's conditioned head (`modeling/cond_head.py`); every other weight stays as
     # it is (no gradient, no weight decay).
     freeze_drafter: bool = False
+    # With a head trained together with its drafter: the weight of the drafter's own (head-free) law's
+    # loss beside the conditioned one (`Objective.marginal`; 0: the conditioned loss alone).
+    marginal: float = 0.0
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1:
@@ -61,6 +64,8 @@ class TrainConfig:
             raise ValueError(f"ema must be in [0, 1) (0 = off), got {self.ema}")
         if not self.miss_weight > 0.0:
             raise ValueError(f"miss_weight must be > 0 (1 = uniform anchors), got {self.miss_weight}")
+        if self.marginal < 0.0:
+            raise ValueError(f"marginal must be >= 0, got {self.marginal}")
         if self.matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from bastion_jax.training.forward import anchored_forward, matmul, target_features, teacher_logits
+from bastion_jax.training.forward import anchored_forward, conditioned, matmul, target_features, teacher_logits
 from bastion_jax.training.objective import (Blocks, Objective, block_loss, first_misses, restrict_vocab,
                                             sample_anchors, top1_correct)
 from bastion_jax.training.optim import is_head
@@ -36,14 +36,16 @@ from bastion_jax.training.vocab import LossVocab
 
 
 def blocks_forward(drafter, embed: jax.Array, features: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
-                   key: jax.Array, obj: Objective, matmul_dtype: str = "float32", prefer: jax.Array | None = None
-                   ) -> tuple[jax.Array, Blocks]:
+                   key: jax.Array, obj: Objective, matmul_dtype: str = "float32", prefer: jax.Array | None = None,
+                   condition: bool = True) -> tuple[jax.Array, Blocks]:
     """Hidden states [b, N, B-1, h] of slots 1..B-1 of every block of a batch, and the blocks.
 
     embed: [V, h] the target's embedding table; features: [b, S, F] the rows' target taps; prefer:
-    [b, S] positions drawn `obj.miss_weight` times as often as others."""
+    [b, S] positions drawn `obj.miss_weight` times as often as others; condition: through the
+    conditioned head (if any)."""
     anchors, valid = sample_anchors(key, loss_mask, obj.num_anchors, prefer, obj.miss_weight)  # [b, N]
-    return anchored_forward(drafter, embed, features, tokens, loss_mask, anchors, valid, obj, matmul_dtype)
+    return anchored_forward(drafter, embed, features, tokens, loss_mask, anchors, valid, obj, matmul_dtype,
+                            condition)
 
 
 def _loss(params, drafter_def, vocab: LossVocab, embed, features, tokens, loss_mask, key, obj, matmul_dtype,
@@ -56,11 +58,17 @@ def _loss(params, drafter_def, vocab: LossVocab, embed, features, tokens, loss_m
     if obj.distill:
         h = embed.shape[-1]
         features, final = features[..., :-h], features[..., -h:]
-    hidden, blocks = blocks_forward(drafter, embed, features, tokens, loss_mask, key, obj, matmul_dtype, prefer)
-    logits = matmul(hidden, vocab.head, jnp.dtype(matmul_dtype))  # [b, N, B-1, n_vocab] float32
-    teacher = None if final is None else teacher_logits(final, blocks.positions, vocab.head, jnp.dtype(matmul_dtype))
+    dtype = jnp.dtype(matmul_dtype)
+    base, blocks = blocks_forward(drafter, embed, features, tokens, loss_mask, key, obj, matmul_dtype, prefer,
+                                  condition=False)  # [b, N, B-1, h]
+    hidden = conditioned(drafter, embed, base, tokens, blocks.positions, dtype)
+    logits = matmul(hidden, vocab.head, dtype)  # [b, N, B-1, n_vocab] float32
+    teacher = None if final is None else teacher_logits(final, blocks.positions, vocab.head, dtype)
     blocks = restrict_vocab(blocks, vocab.index)
     metrics = block_loss(logits, blocks, teacher, obj.distill)
+    if obj.marginal and drafter.cond_head is not None:  # the head-free law's loss beside it
+        own = block_loss(matmul(base, vocab.head, dtype), blocks, teacher, obj.distill)
+        metrics = metrics._replace(loss=metrics.loss + obj.marginal * own.loss)
     misses = None
     if obj.miss_weight != 1.0:
         misses = first_misses(blocks, top1_correct(jax.lax.stop_gradient(logits), blocks), tokens.shape[1])

@@ -81,9 +81,12 @@ class Trainer:
         self.drafter.config.check_pair(self.target.config)
         if self.cfg.freeze_drafter and not d.cond_head_rank:
             raise ValueError("freezing the drafter trains only its conditioned head, and it has none (--cond-head R)")
+        if self.cfg.marginal and (self.cfg.freeze_drafter or not d.cond_head_rank):
+            raise ValueError("--marginal weighs the drafter's own law beside its conditioned head's: it needs a "
+                             "head (--cond-head R) trained with the drafter (not --freeze-drafter)")
         self.obj = Objective(block_size=d.block_size, num_anchors=self.cfg.num_anchors,
                              gamma=self.cfg.gamma or default_gamma(d.block_size), mask_token_id=d.mask_token_id,
-                             distill=self.cfg.distill, miss_weight=self.cfg.miss_weight)
+                             distill=self.cfg.distill, miss_weight=self.cfg.miss_weight, marginal=self.cfg.marginal)
         self.tx = optimizer(self.cfg)
         self.static = dict(drafter_def=self.drafter.graphdef, obj=self.obj, matmul_dtype=self.cfg.matmul_dtype)
         self.embed = self.target.state["embed_tokens"]["weight"][...]
@@ -186,19 +189,23 @@ class Trainer:
         ev = _mean(ms)
         if self.cfg.walk_rows:
             ev["walk_tau"] = self.walk_tau(params, data, store)
+            if self.obj.marginal:  # a head trained with its drafter: the drafter without it too
+                ev["walk_tau_own"] = self.walk_tau(params, data, store, condition=False)
         return ev
 
-    def walk_tau(self, params, data: TokenDataset, store: FeatureStore) -> float:
+    def walk_tau(self, params, data: TokenDataset, store: FeatureStore, condition: bool = True) -> float:
         """Chain tau of greedy decoding walked over the first `walk_window` response positions of the
         first `walk_rows` rows of `data` (`walk.py`): what the engine's dflash mode would measure on
-        those prompts when the rows are the target's greedy answers."""
+        those prompts when the rows are the target's greedy answers (`condition` false: drafting
+        without the conditioned head)."""
         rows = min(self.cfg.walk_rows, len(data))
         chunk = min(rows, rows_per_call(self.cfg.walk_window, self.obj.block_size, int(self.vocab.head.shape[0])))
         tokens = steps = 0
         for lo in range(0, rows, chunk):
             idx = np.minimum(np.arange(lo, lo + chunk), rows - 1)  # the last call padded: one compiled shape
             run, valid = walk_runs(params, self.vocab, self.embed, store.get(idx), jnp.asarray(data.tokens[idx]),
-                                   jnp.asarray(data.loss_mask[idx]), window=self.cfg.walk_window, **self.static)
+                                   jnp.asarray(data.loss_mask[idx]), window=self.cfg.walk_window, condition=condition,
+                                   **self.static)
             real = min(chunk, rows - lo)
             t, n = walk(np.asarray(run)[:real], np.asarray(valid)[:real])
             tokens, steps = tokens + t, steps + n
@@ -227,7 +234,8 @@ class Trainer:
             f.write(json.dumps({"split": "val", **ev}) + "\n")
         self.log(f"step {step}{f' ({what})' if what else ''}: val loss {ev['loss']:.3f} | first-token acc "
                  f"{ev['acc_first']:.3f} | teacher-forced tau {ev['accept_len']:.2f}"
-                 + (f" | decoding-walk tau {ev['walk_tau']:.3f}" if "walk_tau" in ev else ""))
+                 + (f" | decoding-walk tau {ev['walk_tau']:.3f}" if "walk_tau" in ev else "")
+                 + (f" (without the head {ev['walk_tau_own']:.3f})" if "walk_tau_own" in ev else ""))
         self._note_validation(params, ev)
 
     def mark_misses(self, params, data: TokenDataset, store: FeatureStore, progress: bool = True) -> np.ndarray:

@@ -40,19 +40,19 @@ def window_anchors(loss_mask: jax.Array, window: int) -> tuple[jax.Array, jax.Ar
     return jnp.where(valid, anchors, 0).astype(jnp.int32), valid
 
 
-@partial(jax.jit, static_argnames=("drafter_def", "obj", "window", "matmul_dtype"))
+@partial(jax.jit, static_argnames=("drafter_def", "obj", "window", "matmul_dtype", "condition"))
 def walk_runs(params, vocab: LossVocab, embed: jax.Array, features: jax.Array, tokens: jax.Array,
-              loss_mask: jax.Array, *, drafter_def, obj: Objective, window: int, matmul_dtype: str
-              ) -> tuple[jax.Array, jax.Array]:
+              loss_mask: jax.Array, *, drafter_def, obj: Objective, window: int, matmul_dtype: str,
+              condition: bool = True) -> tuple[jax.Array, jax.Array]:
     """(run [b, W], valid [b, W]) for the first `window` response anchors of tokens/loss_mask [b, S];
     features [b, S, F] the drafter's taps (with `obj.distill`, followed by the target's final hidden
-    states, which are dropped here)."""
+    states, which are dropped here); `condition` false: drafting without the conditioned head."""
     drafter = nnx.merge(drafter_def, params)
     if obj.distill:
         features = features[..., :-embed.shape[-1]]
     anchors, valid = window_anchors(loss_mask, window)
     hidden, blocks = anchored_forward(drafter, embed, features, tokens, loss_mask, anchors, valid, obj,
-                                      matmul_dtype)  # [b, W, B-1, h]
+                                      matmul_dtype, condition)  # [b, W, B-1, h]
     logits = matmul(hidden, vocab.head, jnp.dtype(matmul_dtype))  # [b, W, B-1, n_vocab]
     return leading_run(top1_correct(logits, restrict_vocab(blocks, vocab.index))), valid
 
