@@ -50,9 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(Magpie: the chat template's user prefix, sampled), kept in OUT.magpie.jsonl (default 0)")
     d.add_argument("--magpie-temperature", type=float, default=1.0)
     d.add_argument("--magpie-max-tokens", type=int, default=96, help="longest self-written prompt (default 96)")
-    d.add_argument("--magpie-openers", action="store_true", help="start each self-written prompt with a generic "
-                   "opening phrase (training.data.MAGPIE_OPENERS: write, explain, role-play, solve, code, extract, "
-                   "...) so the prompts spread over the kinds of request a chat benchmark makes")
+    d.add_argument("--magpie-openers", nargs="?", const="chat", choices=["chat", "math"],
+                   help="start each self-written prompt with an opening phrase of a kind "
+                   "(training.prompt_sources.OPENER_SETS): chat (the default when given bare: write, explain, "
+                   "role-play, solve, code, extract, ...; spreads prompts over a chat benchmark's kinds) or math "
+                   "(competition-style LaTeX problems: 'Let $f(x) =', 'How many positive integers', ...)")
+    d.add_argument("--docstrings", type=int, default=0, help="also use up to N function-completion prompts: a "
+                   "signature and docstring from the Python standard library's sources, body left out (default 0)")
 
     k = sub.add_parser("pack", help="store data JSONL files compactly (uint16 ids, compressed .npz) to commit, "
                        "or unpack a .npz back to JSONL (to resume `data` on it)")
@@ -190,21 +194,23 @@ def drafter_config(target_cfg, args):
 def run_data(args, target, log) -> None:
     from bastion_jax.engine import Engine
     from bastion_jax.text import load_tokenizer
-    from bastion_jax.training.data import (MAGPIE_OPENERS, file_prompts, generate_responses, magpie_prompts,
-                                           mix_prompts, stdlib_prompts)
+    from bastion_jax.training.data import file_prompts, generate_responses, magpie_prompts, mix_prompts
+    from bastion_jax.training.prompt_sources import OPENER_SETS, docstring_prompts, stdlib_prompts
 
     paths = [Path(s) for s in args.sources] if args.sources is not None else [DEFAULT_DATA_DIR / n
                                                                               for n in DEFAULT_SOURCES]
     sources = [(p.name.split(".")[0], file_prompts(p)) for p in paths]
     if args.stdlib:
         sources.append(("python_stdlib", stdlib_prompts(args.stdlib, args.seed)))
+    if args.docstrings:
+        sources.append(("docstrings", docstring_prompts(args.docstrings, args.seed)))
     tokenizer = load_tokenizer(target)
     engine = Engine(target, tokenizer)
     if args.magpie:
         own = magpie_prompts(engine, tokenizer, args.magpie, f"{args.out}.magpie.jsonl",
                              temperature=args.magpie_temperature, max_new_tokens=args.magpie_max_tokens,
                              batch_size=args.batch_size, seed=args.seed, progress=not args.quiet,
-                             openers=MAGPIE_OPENERS if args.magpie_openers else ())
+                             openers=OPENER_SETS[args.magpie_openers] if args.magpie_openers else ())
         sources.append(("magpie", own))
     prompts = mix_prompts(sources, args.num, args.seed)
     log(f"{len(prompts)} prompts from " + ", ".join(f"{n} ({len(p)})" for n, p in sources))

@@ -9,7 +9,6 @@ and docstrings; benchmark files are refused by name so evaluation never leaks in
 from __future__ import annotations
 
 import gzip
-import inspect
 import json
 import random
 from pathlib import Path
@@ -63,45 +62,6 @@ def prompt_text(record: dict) -> str:
 def file_prompts(path: str | Path) -> list[str]:
     check_not_benchmark(path)
     return [prompt_text(r) for r in read_jsonl(path)]
-
-
-STDLIB_MODULES = ("json", "textwrap", "string", "heapq", "bisect", "statistics", "fractions", "difflib",
-                  "shlex", "csv", "calendar", "argparse", "pathlib", "functools", "itertools", "collections",
-                  "random", "datetime", "fnmatch", "glob", "base64", "html", "ipaddress", "colorsys", "pprint")
-
-_CODE_TASKS = ("Explain what this Python function does, step by step:",
-               "Write unit tests for this Python function:",
-               "Rewrite this Python function to be easier to read, and explain your changes:",
-               "Find possible bugs or edge cases in this Python function:")
-_TEXT_TASKS = ("Summarize this documentation in a few sentences:",
-               "Write a short tutorial with an example based on this documentation:",
-               "Answer: what problem does the module described below solve?")
-
-
-def stdlib_prompts(limit: int, seed: int = 0, max_chars: int = 1500) -> list[str]:
-    """Prompts built from the Python standard library on this machine: function sources and docs."""
-    import importlib
-
-    rng = random.Random(seed)
-    out: list[str] = []
-    for name in STDLIB_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        if mod.__doc__ and len(mod.__doc__) > 200:
-            out.append(f"{rng.choice(_TEXT_TASKS)}\n\n{mod.__doc__[:max_chars].strip()}")
-        for _, fn in inspect.getmembers(mod, inspect.isfunction):
-            if getattr(fn, "__module__", None) != name or fn.__name__.startswith("_"):
-                continue
-            try:
-                src = inspect.getsource(fn)
-            except (OSError, TypeError):
-                continue
-            if 120 <= len(src) <= max_chars:
-                out.append(f"{rng.choice(_CODE_TASKS)}\n\n```python\n{src.rstrip()}\n```")
-    rng.shuffle(out)
-    return out[:limit]
 
 
 def mix_prompts(sources: Sequence[tuple[str, list[str]]], limit: int, seed: int = 0) -> list[tuple[str, str]]:
@@ -171,24 +131,6 @@ def generate_responses(engine, tokenizer, prompts: Sequence[tuple[str, str]], ou
 
 
 MAGPIE_SENTINEL = "\u2063magpie query\u2063"
-
-# Opening words for self-written prompts (`magpie_prompts(openers=...)`). From the bare user prefix a
-# small target writes one kind of request over and over (SmolLM2: "I'm planning ... how should I ...?"
-# advice); a chat benchmark asks for essays, emails, role play, reasoning, maths, code, extraction,
-# science and humanities. Starting each user turn with one of these generic words (no benchmark text)
-# spreads the prompts over those kinds, and the target still writes the rest of the request.
-MAGPIE_OPENERS = (
-    "Write a", "Write a short story", "Compose an email", "Draft a", "Write a poem", "Write a persuasive",
-    "Imagine you are", "Pretend to be", "Act as", "Role-play as",
-    "Explain", "Explain why", "Describe", "Summarize", "Compare", "What is the difference between",
-    "Why does", "How does", "What are the main", "Give me", "List", "Suggest",
-    "Solve", "Calculate", "If a", "A train", "Prove that", "What is the probability",
-    "Write a Python function", "Write a program", "Implement", "How do I", "Fix this code",
-    "Extract", "Rewrite the following", "Translate", "Edit the following paragraph", "Classify",
-    "In physics,", "In biology,", "In chemistry,", "In economics,", "In history,", "Discuss",
-    "Evaluate", "Analyze", "Create a plan", "Help me",
-)
-
 
 def user_turn_prefix(tokenizer, system: str | None = None) -> list[int]:
     """Token ids of the chat template up to where a user's message begins (Magpie's query prompt).

@@ -1,0 +1,139 @@
+"""Prompt sources that need no data set: Python's standard library, and openers for self-written prompts.
+
+A drafter is only as good as the kinds of text it has seen. The training splits on hand (GSM8K train,
+CodeAlpaca) cover word problems and short coding requests; the requests users make also include
+completing a function from its signature and docstring (a code benchmark's form), competition maths
+written in LaTeX, and open chat. These sources supply such prompts without touching an evaluation
+set: function signatures and docstrings from the standard library's own sources, and opening words
+from which the target writes the rest of a request itself (Magpie, `data.magpie_prompts`).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import random
+import sysconfig
+import textwrap
+from pathlib import Path
+
+STDLIB_MODULES = ("json", "textwrap", "string", "heapq", "bisect", "statistics", "fractions", "difflib",
+                  "shlex", "csv", "calendar", "argparse", "pathlib", "functools", "itertools", "collections",
+                  "random", "datetime", "fnmatch", "glob", "base64", "html", "ipaddress", "colorsys", "pprint")
+
+_CODE_TASKS = ("Explain what this Python function does, step by step:",
+               "Write unit tests for this Python function:",
+               "Rewrite this Python function to be easier to read, and explain your changes:",
+               "Find possible bugs or edge cases in this Python function:")
+_TEXT_TASKS = ("Summarize this documentation in a few sentences:",
+               "Write a short tutorial with an example based on this documentation:",
+               "Answer: what problem does the module described below solve?")
+
+
+def stdlib_prompts(limit: int, seed: int = 0, max_chars: int = 1500) -> list[str]:
+    """Prompts built from the Python standard library on this machine: function sources and docs."""
+    import importlib
+
+    rng = random.Random(seed)
+    out: list[str] = []
+    for name in STDLIB_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if mod.__doc__ and len(mod.__doc__) > 200:
+            out.append(f"{rng.choice(_TEXT_TASKS)}\n\n{mod.__doc__[:max_chars].strip()}")
+        for _, fn in inspect.getmembers(mod, inspect.isfunction):
+            if getattr(fn, "__module__", None) != name or fn.__name__.startswith("_"):
+                continue
+            try:
+                src = inspect.getsource(fn)
+            except (OSError, TypeError):
+                continue
+            if 120 <= len(src) <= max_chars:
+                out.append(f"{rng.choice(_CODE_TASKS)}\n\n```python\n{src.rstrip()}\n```")
+    rng.shuffle(out)
+    return out[:limit]
+
+
+# Parts of the standard library that are tests, GUI or tooling rather than library code.
+_SKIP_PARTS = frozenset({"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip",
+                         "site-packages", "dist-packages", "__pycache__", "__phello__"})
+_COMPLETE_TASKS = ("Complete this Python function:", "Implement the function below.",
+                   "Write the body of this function:")
+
+
+def docstring_prompts(limit: int, seed: int = 0, max_chars: int = 1200, min_doc: int = 60,
+                      root: str | Path | None = None) -> list[str]:
+    """Function-completion prompts: a function's signature and docstring, its body left out.
+
+    Read from the standard library's sources (parsed, never imported: no side effects) under `root`
+    (default: this interpreter's stdlib), public functions (not methods) whose docstring has at least
+    `min_doc` characters. Two in three prompts are the bare code, as a code-completion benchmark
+    poses it; the rest put a short instruction first. The set depends on the Python version, which
+    is why generated data is stored rather than regenerated."""
+    base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    rng = random.Random(seed)
+    out: list[str] = []
+    for path in sorted(base.rglob("*.py")):
+        if _SKIP_PARTS & set(path.relative_to(base).parts):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = source.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                continue
+            if node.args.args and node.args.args[0].arg in ("self", "cls"):
+                continue  # a method: its body leans on a class the prompt does not show
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) < min_doc or not isinstance(node.body[0], ast.Expr):
+                continue
+            head = textwrap.dedent("\n".join(lines[node.lineno - 1:node.body[0].end_lineno])).rstrip()
+            if len(head) > max_chars:
+                continue
+            code = head + "\n"
+            out.append(code if rng.random() < 2 / 3 else f"{rng.choice(_COMPLETE_TASKS)}\n\n```python\n{code}```")
+    rng.shuffle(out)
+    return out[:limit]
+
+
+# Opening words for self-written prompts (`data.magpie_prompts(openers=...)`), by kind.
+# General chat. From the bare user prefix a
+# small target writes one kind of request over and over (SmolLM2: "I'm planning ... how should I ...?"
+# advice); a chat benchmark asks for essays, emails, role play, reasoning, maths, code, extraction,
+# science and humanities. Starting each user turn with one of these generic words (no benchmark text)
+# spreads the prompts over those kinds, and the target still writes the rest of the request.
+MAGPIE_OPENERS = (
+    "Write a", "Write a short story", "Compose an email", "Draft a", "Write a poem", "Write a persuasive",
+    "Imagine you are", "Pretend to be", "Act as", "Role-play as",
+    "Explain", "Explain why", "Describe", "Summarize", "Compare", "What is the difference between",
+    "Why does", "How does", "What are the main", "Give me", "List", "Suggest",
+    "Solve", "Calculate", "If a", "A train", "Prove that", "What is the probability",
+    "Write a Python function", "Write a program", "Implement", "How do I", "Fix this code",
+    "Extract", "Rewrite the following", "Translate", "Edit the following paragraph", "Classify",
+    "In physics,", "In biology,", "In chemistry,", "In economics,", "In history,", "Discuss",
+    "Evaluate", "Analyze", "Create a plan", "Help me",
+)
+
+
+
+# Competition-style maths in LaTeX. The only maths in the training splits is GSM8K's plain-text word
+# problems, while the target answers LaTeX problems in LaTeX ($\frac{..}{..}$, \boxed{..}); these
+# generic openings (no benchmark text) let the target write such problems, and then solve them.
+MATH_OPENERS = (
+    "Find the value of $", "Let $f(x) =", "Compute $", "Simplify $", "Solve for $x$:", "Evaluate $",
+    "If $", "Suppose $", "Let $a$ and $b$ be", "Find all real numbers $x$ such that", "Express $",
+    "How many positive integers", "What is the smallest positive integer", "What is the sum of all",
+    "What is the remainder when", "What is the greatest common divisor of", "How many ways",
+    "A bag contains", "The probability that", "In triangle $ABC$,", "A circle", "Find the area of",
+    "A rectangle", "The sequence", "An arithmetic sequence", "A geometric sequence", "Find the coordinates of",
+    "The graph of $y =", "Factor $", "Expand $", "Rationalize the denominator of $", "Convert $",
+    "Find the number of", "Determine", "What is the value of $", "Find the maximum value of",
+    "Find the minimum value of", "Let $n$ be", "The polynomial", "Find the domain of", "Solve the inequality",
+)
+
+OPENER_SETS = {"chat": MAGPIE_OPENERS, "math": MATH_OPENERS}

@@ -1,0 +1,95 @@
+"""Prompt sources without a data set: function-completion prompts from Python sources, opener sets."""
+
+import pytest
+
+from bastion_jax.training.prompt_sources import MAGPIE_OPENERS, MATH_OPENERS, OPENER_SETS, docstring_prompts
+
+LIB = '''"""A module."""
+
+def clamp(value, low, high):
+    """Return value limited to the closed range [low, high].
+
+    >>> clamp(5, 0, 3)
+    3
+    """
+    if value < low:
+        return low
+    return min(value, high)
+
+
+def short(x):
+    """Too short."""
+    return x
+
+
+def _private(x):
+    """A private helper whose docstring is long enough to count otherwise, but it is private."""
+    return x
+
+
+class Box:
+    def area(self, scale=1):
+        """The area of the box times scale, a method the prompt could not show the class of."""
+        return self.w * self.h * scale
+
+
+def outer(items,
+          key=None):
+    """Sort items by key and return the first one, or None when there are no items at all."""
+    def helper(y):
+        return y
+    return sorted(items, key=key)[0] if items else None
+'''
+
+
+def write_lib(root):
+    (root / "pkg").mkdir()
+    (root / "pkg" / "mod.py").write_text(LIB)
+    (root / "test").mkdir()  # the stdlib's tests are not library code
+    (root / "test" / "test_mod.py").write_text(LIB.replace("clamp", "clamp_in_test"))
+    (root / "broken.py").write_text("def f(:\n")  # unparsable files are skipped
+
+
+def test_docstring_prompts_keep_signature_and_docstring_and_drop_the_body(tmp_path):
+    write_lib(tmp_path)
+    got = docstring_prompts(100, seed=0, root=tmp_path)
+    assert len(got) == 2  # clamp and outer: not short, _private, the method or the test copy
+    codes = []
+    for prompt in got:
+        code = prompt.split("```python\n")[1].split("```")[0] if "```" in prompt else prompt
+        codes.append(code)
+    by_name = {c.split("(")[0]: c for c in codes}
+    assert set(by_name) == {"def clamp", "def outer"}
+    clamp = by_name["def clamp"]
+    assert clamp.startswith("def clamp(value, low, high):\n    \"\"\"Return value limited")
+    assert clamp.rstrip().endswith('"""') and ">>> clamp(5, 0, 3)" in clamp
+    assert "return" not in clamp and "if value" not in clamp  # the body is left out
+    assert by_name["def outer"].startswith("def outer(items,\n          key=None):")  # multi-line signature whole
+    assert "helper" not in by_name["def outer"]
+    assert docstring_prompts(100, seed=0, root=tmp_path) == got  # deterministic
+    assert docstring_prompts(1, seed=0, root=tmp_path) == got[:1]
+
+
+def test_docstring_prompts_mix_bare_code_and_instructions(tmp_path):
+    body = "".join(f'def f{i}(x):\n    """Return x plus {i}, a docstring long enough to be kept as a prompt."""\n'
+                   f"    return x + {i}\n\n\n" for i in range(60))
+    (tmp_path / "many.py").write_text(body)
+    got = docstring_prompts(100, seed=1, root=tmp_path)
+    assert len(got) == 60
+    bare = [p for p in got if p.startswith("def ")]
+    assert 20 <= len(bare) <= 55  # about two in three are the bare code, the rest carry an instruction
+    assert all("```python\ndef " in p for p in got if not p.startswith("def "))
+
+
+def test_opener_sets_and_the_cli_choice():
+    from bastion_jax.train_drafter import build_parser
+
+    assert OPENER_SETS == {"chat": MAGPIE_OPENERS, "math": MATH_OPENERS}
+    assert any("$" in o for o in MATH_OPENERS)  # LaTeX-style problems
+    parse = lambda *a: build_parser().parse_args(["data", "--out", "o.jsonl", *a])  # noqa: E731
+    assert parse("--magpie-openers").magpie_openers == "chat"  # bare flag: the chat openers, as before
+    assert parse("--magpie-openers", "math").magpie_openers == "math"
+    assert parse().magpie_openers is None
+    assert parse("--docstrings", "7").docstrings == 7
+    with pytest.raises(SystemExit):
+        parse("--magpie-openers", "poetry")
