@@ -120,3 +120,18 @@ def markdown(report: dict[str, dict[str, dict]], modes: Sequence[str]) -> list[s
     same = all(rows[m]["identical_to_ar"] for rows in report.values() for m in modes)
     lines += ["", f"Every mode's text identical to AR: {'yes' if same else 'NO'}."]
     return lines
+
+
+def write_report(out: str | Path, report: dict[str, dict[str, dict]], modes: Sequence[str], meta: dict,
+                 setting: str) -> list[Path]:
+    """`out`.json (meta and every figure) and `out`.md (a title, the run's `setting` in words, the table);
+    returns the two paths. The markdown names the device, date and dtype from `meta`, as results must."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out.with_suffix(".json"), out.with_suffix(".md")
+    json_path.write_text(json.dumps({"meta": meta, "tau": report}, indent=2))
+    head = [f"# Acceptance: {Path(meta['drafter']).name}", "",
+            f"{meta['device']}, {meta['date']}, {meta['dtype']}; {meta['max_new_tokens']} new tokens, T=0, {setting}; "
+            "tau = mean committed tokens per row step (accepted drafts + 1).", ""]
+    md_path.write_text("\n".join(head + markdown(report, modes)) + "\n")
+    return [json_path, md_path]

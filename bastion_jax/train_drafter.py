@@ -338,7 +338,8 @@ def run_eval(args, target, log) -> None:
 
     import jax
 
-    from bastion_jax.acceptance import acceptance, markdown, read_prompts, resolve_prompt_file, set_name
+    from bastion_jax.acceptance import (acceptance, markdown, read_prompts, resolve_prompt_file, set_name,
+                                        write_report)
     from bastion_jax.checkpoints import load_drafter
     from bastion_jax.controller import Policy, parse_buckets
     from bastion_jax.default_model import default_drafter_dir
@@ -376,8 +377,6 @@ def run_eval(args, target, log) -> None:
     lines = markdown(report, modes)
     print("\n".join(lines))
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"drafter": str(drafter_dir), "target": str(target.path), "dtype": target.dtype.name,
                 "device": jax.devices()[0].device_kind, "date": datetime.date.today().isoformat(),
                 "max_new_tokens": args.max_new_tokens, "buckets": list(buckets), "tree_top_k": args.tree_top_k,
@@ -388,15 +387,12 @@ def run_eval(args, target, log) -> None:
         training = Path(drafter_dir) / "training.json"
         if training.is_file():
             meta["drafter_training"] = json.loads(training.read_text())
-        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "tau": report}, indent=2))
-        head = [f"# Acceptance: {Path(drafter_dir).name}", "",
-                f"{meta['device']}, {meta['date']}, {meta['dtype']}; {args.max_new_tokens} new tokens, T=0, "
-                f"first {args.max_prompts} prompts per set, batches of {args.batch_size}, context lookup {args.lookup} "
-                f"(datastore {args.datastore}) (tree modes)"
-                + (f", {drafter.config.head_words} (per-parent depths {engine.cond_depths})"
-                   if meta["cond_head_rank"] else "") + "; tau = mean committed tokens per row step (accepted drafts + 1).", ""]
-        out.with_suffix(".md").write_text("\n".join(head + lines) + "\n")
-        log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+        setting = (f"first {args.max_prompts} prompts per set, batches of {args.batch_size}, context lookup "
+                   f"{args.lookup} (datastore {args.datastore}) (tree modes)"
+                   + (f", {drafter.config.head_words} (per-parent depths {engine.cond_depths})"
+                      if meta["cond_head_rank"] else ""))
+        for path in write_report(args.out, report, modes, meta, setting):
+            log(f"wrote {path}")
 
 
 def run_pack(args, log) -> int:
