@@ -8,14 +8,14 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16; do
+for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
   prompts=$here/magpie_prompts.jsonl.gz
   [ $kind = t07s3 ] && prompts=$here/magpie_prompts_s3.jsonl.gz  # its own self-written prompts (seed 3; 300 used)
   [ $kind = t07s4 ] && prompts=$here/magpie_prompts_s4.jsonl.gz  # likewise (seed 4)
-  case $kind in c[0-9]*) prompts=$here/magpie_prompts_$kind.jsonl.gz ;; esac  # the chat sets' own
+  case $kind in c[0-9]*|m[0-9]*) prompts=$here/magpie_prompts_$kind.jsonl.gz ;; esac  # the chat / maths sets' own
   if [ -f $prompts ] && [ ! -f runs/data/$kind.jsonl.magpie.jsonl ]; then
     gunzip -c $prompts > runs/data/$kind.jsonl.magpie.jsonl
   fi
@@ -60,3 +60,10 @@ for seed in 11 12 13 14 15 16; do
     ${chat/--temperature 0.7/--temperature 0}
   python -m bastion_jax.train_drafter pack --data runs/data/c$seed.jsonl --out $here/c$seed.npz --vocab-size 49152
 done
+# Kinds the sets above lack (2026-12-04): 800 LaTeX competition-style problems the target writes from
+# maths openers (--magpie-openers math, magpie_prompts_m17) and 700 function-completion prompts (a
+# signature and docstring from the standard library's sources, body left out; --docstrings, which reads
+# this interpreter's stdlib: Python 3.11.7 made m17), responses at T = 0 (40 min on CPU, ~130 tokens/s).
+python -m bastion_jax.train_drafter data --out runs/data/m17.jsonl --num 1500 --seed 17 --sources --stdlib 0 \
+  --docstrings 700 --magpie 800 --magpie-openers math --temperature 0
+python -m bastion_jax.train_drafter pack --data runs/data/m17.jsonl --out $here/m17.npz --vocab-size 49152
