@@ -122,10 +122,11 @@ def markdown(report: dict[str, dict[str, dict]], modes: Sequence[str]) -> list[s
     return lines
 
 
-def write_report(out: str | Path, report: dict[str, dict[str, dict]], modes: Sequence[str], meta: dict,
+def write_report(out: str | Path, report: dict[str, dict[str, dict]], table: list[str], meta: dict,
                  setting: str) -> list[Path]:
-    """`out`.json (meta and every figure) and `out`.md (a title, the run's `setting` in words, the table);
-    returns the two paths. The markdown names the device, date and dtype from `meta`, as results must."""
+    """`out`.json (meta and every figure) and `out`.md (a title, the run's `setting` in words, and `table`,
+    the report's `markdown` lines); returns the two paths. The markdown names the device, date and dtype
+    from `meta`, as results must."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out.with_suffix(".json"), out.with_suffix(".md")
@@ -133,5 +134,5 @@ def write_report(out: str | Path, report: dict[str, dict[str, dict]], modes: Seq
     head = [f"# Acceptance: {Path(meta['drafter']).name}", "",
             f"{meta['device']}, {meta['date']}, {meta['dtype']}; {meta['max_new_tokens']} new tokens, T=0, {setting}; "
             "tau = mean committed tokens per row step (accepted drafts + 1).", ""]
-    md_path.write_text("\n".join(head + markdown(report, modes)) + "\n")
+    md_path.write_text("\n".join(head + table) + "\n")
     return [json_path, md_path]

@@ -391,7 +391,7 @@ def run_eval(args, target, log) -> None:
                    f"{args.lookup} (datastore {args.datastore}) (tree modes)"
                    + (f", {drafter.config.head_words} (per-parent depths {engine.cond_depths})"
                       if meta["cond_head_rank"] else ""))
-        for path in write_report(args.out, report, modes, meta, setting):
+        for path in write_report(args.out, report, lines, meta, setting):
             log(f"wrote {path}")
 
 

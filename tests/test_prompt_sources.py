@@ -93,3 +93,10 @@ def test_opener_sets_and_the_cli_choice():
     assert parse("--docstrings", "7").docstrings == 7
     with pytest.raises(SystemExit):
         parse("--magpie-openers", "poetry")
+
+
+def test_docstring_prompts_refuse_a_missing_source_tree(tmp_path):
+    from bastion_jax.training.data import DataError
+
+    with pytest.raises(DataError, match="not a directory"):
+        docstring_prompts(5, root=tmp_path / "no-such-stdlib")  # never a silent empty source

@@ -5,8 +5,8 @@ from bastion_jax.training.features import FeatureStore
 from bastion_jax.training.forward import drafter_blocks, matmul, target_features, teacher_logits
 from bastion_jax.training.objective import (Blocks, Metrics, Objective, block_loss, default_gamma, make_blocks,
                                             restrict_vocab, sample_anchors)
-from bastion_jax.training.prompt_sources import OPENER_SETS, docstring_prompts, stdlib_prompts
 from bastion_jax.training.optim import TrainConfig, optimizer
+from bastion_jax.training.prompt_sources import OPENER_SETS, docstring_prompts, stdlib_prompts
 from bastion_jax.training.step import blocks_forward, train_step
 from bastion_jax.training.trainer import Trainer
 from bastion_jax.training.vocab import LossVocab, VocabError, load_ranking, loss_vocab, rank_vocab, save_ranking

@@ -17,6 +17,8 @@ import sysconfig
 import textwrap
 from pathlib import Path
 
+from bastion_jax.training.data import DataError
+
 STDLIB_MODULES = ("json", "textwrap", "string", "heapq", "bisect", "statistics", "fractions", "difflib",
                   "shlex", "csv", "calendar", "argparse", "pathlib", "functools", "itertools", "collections",
                   "random", "datetime", "fnmatch", "glob", "base64", "html", "ipaddress", "colorsys", "pprint")
@@ -73,6 +75,8 @@ def docstring_prompts(limit: int, seed: int = 0, max_chars: int = 1200, min_doc:
     poses it; the rest put a short instruction first. The set depends on the Python version, which
     is why generated data is stored rather than regenerated."""
     base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    if not base.is_dir():
+        raise DataError(f"no Python sources to build docstring prompts from: {base} is not a directory")
     rng = random.Random(seed)
     out: list[str] = []
     for path in sorted(base.rglob("*.py")):
@@ -89,8 +93,8 @@ def docstring_prompts(limit: int, seed: int = 0, max_chars: int = 1200, min_doc:
                 continue
             if node.args.args and node.args.args[0].arg in ("self", "cls"):
                 continue  # a method: its body leans on a class the prompt does not show
-            doc = ast.get_docstring(node)
-            if not doc or len(doc) < min_doc or not isinstance(node.body[0], ast.Expr):
+            doc = ast.get_docstring(node)  # not None only when body[0] is the docstring's expression
+            if not doc or len(doc) < min_doc:
                 continue
             head = textwrap.dedent("\n".join(lines[node.lineno - 1:node.body[0].end_lineno])).rstrip()
             if len(head) > max_chars:
@@ -101,12 +105,12 @@ def docstring_prompts(limit: int, seed: int = 0, max_chars: int = 1200, min_doc:
     return out[:limit]
 
 
-# Opening words for self-written prompts (`data.magpie_prompts(openers=...)`), by kind.
-# General chat. From the bare user prefix a
-# small target writes one kind of request over and over (SmolLM2: "I'm planning ... how should I ...?"
-# advice); a chat benchmark asks for essays, emails, role play, reasoning, maths, code, extraction,
-# science and humanities. Starting each user turn with one of these generic words (no benchmark text)
-# spreads the prompts over those kinds, and the target still writes the rest of the request.
+# Opening words for self-written prompts (`data.magpie_prompts(openers=...)`), by kind (OPENER_SETS).
+# General chat: from the bare user prefix a small target writes one kind of request over and over
+# (SmolLM2: "I'm planning ... how should I ...?" advice); a chat benchmark asks for essays, emails, role
+# play, reasoning, maths, code, extraction, science and humanities. Starting each user turn with one of
+# these generic words (no benchmark text) spreads the prompts over those kinds, and the target still
+# writes the rest of the request.
 MAGPIE_OPENERS = (
     "Write a", "Write a short story", "Compose an email", "Draft a", "Write a poem", "Write a persuasive",
     "Imagine you are", "Pretend to be", "Act as", "Role-play as",
@@ -118,8 +122,6 @@ MAGPIE_OPENERS = (
     "In physics,", "In biology,", "In chemistry,", "In economics,", "In history,", "Discuss",
     "Evaluate", "Analyze", "Create a plan", "Help me",
 )
-
-
 
 # Competition-style maths in LaTeX. The only maths in the training splits is GSM8K's plain-text word
 # problems, while the target answers LaTeX problems in LaTeX ($\frac{..}{..}$, \boxed{..}); these
