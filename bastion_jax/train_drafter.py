@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(competition-style LaTeX problems: 'Let $f(x) =', 'How many positive integers', ...)")
     d.add_argument("--docstrings", type=int, default=0, help="also use up to N function-completion prompts: a "
                    "signature and docstring from the Python standard library's sources, body left out (default 0)")
+    d.add_argument("--methods", type=int, default=0, help="also use up to N method-completion prompts: a class "
+                   "statement and one of its methods' signature and docstring, from the same sources (default 0)")
 
     k = sub.add_parser("pack", help="store data JSONL files compactly (uint16 ids, compressed .npz) to commit, "
                        "or unpack a .npz back to JSONL (to resume `data` on it)")
@@ -195,7 +197,8 @@ def run_data(args, target, log) -> None:
     from bastion_jax.engine import Engine
     from bastion_jax.text import load_tokenizer
     from bastion_jax.training.data import file_prompts, generate_responses, magpie_prompts, mix_prompts
-    from bastion_jax.training.prompt_sources import OPENER_SETS, docstring_prompts, stdlib_prompts
+    from bastion_jax.training.prompt_sources import (OPENER_SETS, docstring_prompts, method_prompts,
+                                                         stdlib_prompts)
 
     paths = [Path(s) for s in args.sources] if args.sources is not None else [DEFAULT_DATA_DIR / n
                                                                               for n in DEFAULT_SOURCES]
@@ -204,6 +207,8 @@ def run_data(args, target, log) -> None:
         sources.append(("python_stdlib", stdlib_prompts(args.stdlib, args.seed)))
     if args.docstrings:
         sources.append(("docstrings", docstring_prompts(args.docstrings, args.seed)))
+    if args.methods:
+        sources.append(("methods", method_prompts(args.methods, args.seed)))
     tokenizer = load_tokenizer(target)
     engine = Engine(target, tokenizer)
     if args.magpie:

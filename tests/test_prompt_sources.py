@@ -2,7 +2,8 @@
 
 import pytest
 
-from bastion_jax.training.prompt_sources import MAGPIE_OPENERS, MATH_OPENERS, OPENER_SETS, docstring_prompts
+from bastion_jax.training.prompt_sources import (MAGPIE_OPENERS, MATH_OPENERS, OPENER_SETS, docstring_prompts,
+                                                 method_prompts)
 
 LIB = '''"""A module."""
 
@@ -91,6 +92,7 @@ def test_opener_sets_and_the_cli_choice():
     assert parse("--magpie-openers", "math").magpie_openers == "math"
     assert parse().magpie_openers is None
     assert parse("--docstrings", "7").docstrings == 7
+    assert parse("--methods", "5").methods == 5 and parse().methods == 0
     with pytest.raises(SystemExit):
         parse("--magpie-openers", "poetry")
 
@@ -100,3 +102,59 @@ def test_docstring_prompts_refuse_a_missing_source_tree(tmp_path):
 
     with pytest.raises(DataError, match="not a directory"):
         docstring_prompts(5, root=tmp_path / "no-such-stdlib")  # never a silent empty source
+
+
+METHODS = '''
+class Outer:
+    class Stack(list,
+                metaclass=type):
+        """A stack."""
+
+        def push(self, item):
+            """Put item on top of the stack and return the new number of items on it."""
+            self.append(item)
+            return len(self)
+
+        @classmethod
+        def of(cls, items):
+            """A stack holding items, the last of them on top, built in one call."""
+            return cls(items)
+
+        def _hidden(self):
+            """A private method whose docstring is long enough to count otherwise."""
+            return 0
+
+        @staticmethod
+        def helper(x):
+            """A static method has no self for a body to lean on, so it is no method prompt."""
+            return x
+
+        def peek(self):
+            """Short."""
+            return self[-1]
+
+
+class _Private:
+    def run(self):
+        """A public method of a private class, with a docstring long enough to count."""
+        return 1
+
+
+class One: x = 1
+'''
+
+
+def test_method_prompts_keep_the_class_line_signature_and_docstring(tmp_path):
+    (tmp_path / "stack.py").write_text(METHODS)
+    got = method_prompts(100, seed=0, root=tmp_path)
+    codes = sorted(p.split("```python\n")[1].split("```")[0] if "```" in p else p for p in got)
+    assert len(codes) == 2  # push and of: not private, static, short, a private class's or a one-liner's
+    of, push = codes
+    assert push == ("class Stack(list,\n            metaclass=type):\n"
+                    "    def push(self, item):\n"
+                    '        """Put item on top of the stack and return the new number of items on it."""\n')
+    assert of.startswith("class Stack(list,\n") and "    @classmethod\n    def of(cls, items):" in of
+    assert "return" not in of and '"""A stack."""' not in of  # bodies and the class docstring left out
+    functions = docstring_prompts(100, seed=0, root=tmp_path)  # a static method stands alone: a function
+    assert len(functions) == 1 and "def helper(x):" in functions[0] and "class" not in functions[0]
+    assert method_prompts(100, seed=0, root=tmp_path) == got  # deterministic

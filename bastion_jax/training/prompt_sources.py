@@ -16,6 +16,7 @@ import random
 import sysconfig
 import textwrap
 from pathlib import Path
+from typing import Iterator
 
 from bastion_jax.training.data import DataError
 
@@ -65,20 +66,12 @@ _COMPLETE_TASKS = ("Complete this Python function:", "Implement the function bel
                    "Write the body of this function:")
 
 
-def docstring_prompts(limit: int, seed: int = 0, max_chars: int = 1200, min_doc: int = 60,
-                      root: str | Path | None = None) -> list[str]:
-    """Function-completion prompts: a function's signature and docstring, its body left out.
-
-    Read from the standard library's sources (parsed, never imported: no side effects) under `root`
-    (default: this interpreter's stdlib), public functions (not methods) whose docstring has at least
-    `min_doc` characters. Two in three prompts are the bare code, as a code-completion benchmark
-    poses it; the rest put a short instruction first. The set depends on the Python version, which
-    is why generated data is stored rather than regenerated."""
+def _library_sources(root: str | Path | None) -> Iterator[tuple[list[str], ast.Module]]:
+    """(lines, syntax tree) of each library source file under `root` (default: this interpreter's
+    stdlib), tests and tooling skipped, in a fixed order; parsed, never imported (no side effects)."""
     base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
     if not base.is_dir():
         raise DataError(f"no Python sources to build docstring prompts from: {base} is not a directory")
-    rng = random.Random(seed)
-    out: list[str] = []
     for path in sorted(base.rglob("*.py")):
         if _SKIP_PARTS & set(path.relative_to(base).parts):
             continue
@@ -87,20 +80,72 @@ def docstring_prompts(limit: int, seed: int = 0, max_chars: int = 1200, min_doc:
             tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        lines = source.splitlines()
+        yield source.splitlines(), tree
+
+
+def _documented(node: ast.AST, min_doc: int) -> bool:
+    """A public function or method whose docstring has at least `min_doc` characters."""
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+        return False
+    doc = ast.get_docstring(node)  # not None only when body[0] is the docstring's expression
+    return bool(doc) and len(doc) >= min_doc
+
+
+def _pose(code: str, rng: random.Random) -> str:
+    """Two in three prompts are the bare code, as a code-completion benchmark poses it; the rest put a
+    short instruction first."""
+    return code if rng.random() < 2 / 3 else f"{rng.choice(_COMPLETE_TASKS)}\n\n```python\n{code}```"
+
+
+def docstring_prompts(limit: int, seed: int = 0, max_chars: int = 1200, min_doc: int = 60,
+                      root: str | Path | None = None) -> list[str]:
+    """Function-completion prompts: a function's signature and docstring, its body left out.
+
+    Read from the standard library's sources under `root` (`_library_sources`), public functions
+    (not methods: `method_prompts`) whose docstring has at least `min_doc` characters, posed bare or
+    after an instruction (`_pose`). The set depends on the Python version, which is why generated
+    data is stored rather than regenerated."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    for lines, tree in _library_sources(root):
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+            if not _documented(node, min_doc):
                 continue
             if node.args.args and node.args.args[0].arg in ("self", "cls"):
                 continue  # a method: its body leans on a class the prompt does not show
-            doc = ast.get_docstring(node)  # not None only when body[0] is the docstring's expression
-            if not doc or len(doc) < min_doc:
-                continue
             head = textwrap.dedent("\n".join(lines[node.lineno - 1:node.body[0].end_lineno])).rstrip()
-            if len(head) > max_chars:
+            if len(head) <= max_chars:
+                out.append(_pose(head + "\n", rng))
+    rng.shuffle(out)
+    return out[:limit]
+
+
+def method_prompts(limit: int, seed: int = 0, max_chars: int = 1200, min_doc: int = 60,
+                   root: str | Path | None = None) -> list[str]:
+    """Method-completion prompts: a class statement, then one of its methods' decorators, signature
+    and docstring, the body left out.
+
+    Why a kind of its own: much of the code users ask about lives in classes, where the body reads
+    `self`'s attributes; the class line (name and bases) is the context such a body starts from.
+    Public methods (first argument self or cls) of classes in the standard library's sources
+    (`_library_sources`), docstrings of at least `min_doc` characters, posed as `docstring_prompts`
+    poses functions."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    for lines, tree in _library_sources(root):
+        for cls in ast.walk(tree):
+            if not isinstance(cls, ast.ClassDef) or cls.name.startswith("_"):
                 continue
-            code = head + "\n"
-            out.append(code if rng.random() < 2 / 3 else f"{rng.choice(_COMPLETE_TASKS)}\n\n```python\n{code}```")
+            header = lines[cls.lineno - 1:cls.body[0].lineno - 1]  # the class statement, bases included
+            if not header:
+                continue  # a one-line class
+            for node in cls.body:
+                if not _documented(node, min_doc) or not node.args.args or node.args.args[0].arg not in ("self", "cls"):
+                    continue
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                code = textwrap.dedent("\n".join(header + lines[start - 1:node.body[0].end_lineno])).rstrip()
+                if len(code) <= max_chars:
+                    out.append(_pose(code + "\n", rng))
     rng.shuffle(out)
     return out[:limit]
 
