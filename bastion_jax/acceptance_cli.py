@@ -1,0 +1,100 @@
+"""`python -m bastion_jax.train_drafter eval`: the acceptance report's command line.
+
+The report itself (decoding each prompt set with every mode, tau, AR identity, the tables and files)
+is `bastion_jax.acceptance`; this module only reads the flags, builds the engine they describe and
+records the setting beside the figures, so a report can always be rerun from its own JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bastion_jax.cli import add_cond_head_flags, add_lookup_flag, resolve_cond_head, resolve_lookup
+
+
+def add_eval_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """The `eval` subcommand's flags (`common`: the target flags every subcommand shares)."""
+    e = sub.add_parser("eval", parents=[common], help="acceptance report: tau per mode and prompt set, AR "
+                       "identity checked (T=0)")
+    e.add_argument("--drafter", help="drafter dir (default: the shipped drafter of the default target)")
+    e.add_argument("--prompts", nargs="+", default=["gsm8k_test", "humaneval", "mt_bench"],
+                   help="standard sets by name (mt_bench, gsm8k_test, math500, humaneval, mbpp, spec_bench: read "
+                   "from ../shared/data beside the checkout) and/or JSONL(.gz) prompt files (default: gsm8k_test "
+                   "humaneval mt_bench: math, code, chat)")
+    e.add_argument("--max-prompts", type=int, default=8, help="prompts per set (default 8)")
+    e.add_argument("--max-new-tokens", type=int, default=96)
+    e.add_argument("--modes", default="dflash,fixed:32,bastion", help="comma-separated policies besides ar "
+                   "(default dflash,fixed:32,bastion)")
+    e.add_argument("--buckets", default="1,4,8,16,32,64", help="tree sizes compiled (default 1,4,8,16,32,64)")
+    add_lookup_flag(e)
+    e.add_argument("--tree-top-k", type=int, default=128)
+    e.add_argument("--draft-vocab", default="auto", help="as generate --draft-vocab (auto, full or N)")
+    add_cond_head_flags(e)
+    e.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default 8)")
+    e.add_argument("--no-chat", action="store_true", help="prompts as plain text (no chat template)")
+    e.add_argument("--out", help="also write the report to OUT.json and OUT.md")
+
+
+def run_eval(args, target, log) -> None:
+    """The acceptance report (bastion_jax.acceptance) of a drafter on prompt sets."""
+    import datetime
+
+    import jax
+
+    from bastion_jax.acceptance import (acceptance, markdown, read_prompts, resolve_prompt_file, set_name,
+                                        write_report)
+    from bastion_jax.checkpoints import load_drafter
+    from bastion_jax.controller import Policy, parse_buckets
+    from bastion_jax.default_model import default_drafter_dir
+    from bastion_jax.engine import Engine
+    from bastion_jax.text import encode_prompt, load_tokenizer
+
+    drafter_dir = args.drafter or (default_drafter_dir() if args.target is None else None)
+    if drafter_dir is None:
+        raise ValueError("eval needs --drafter (no drafter ships for this target)")
+    if args.max_prompts < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
+        raise ValueError("--max-prompts, --batch-size and --max-new-tokens must be >= 1")
+    modes = [m for m in args.modes.split(",") if m and m != "ar"]
+    for m in modes:
+        Policy.parse(m)
+    drafter = load_drafter(drafter_dir, target.config, target.dtype, cond_head=resolve_cond_head(args.cond_head))
+    tok = load_tokenizer(target)
+    buckets = parse_buckets(args.buckets)
+    engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
+                    draft_vocab=args.draft_vocab,
+                    lookup=resolve_lookup(args.lookup), datastore=args.datastore,
+                    cond_depths=args.cond_depths)
+    sets = {}
+    for spec in args.prompts:
+        path = resolve_prompt_file(spec)
+        texts = read_prompts(path, args.max_prompts)
+        sets[set_name(path)] = [encode_prompt(tok, t, chat=not args.no_chat) for t in texts]
+    if "bastion" in modes:  # its tree sizes follow the latency model: profile this machine first
+        longest = max(len(p) for ps in sets.values() for p in ps)
+        cache_len = engine.cache_len_for([longest], args.max_new_tokens, None, engine.slack("bastion"))
+        engine.calibrate(cache_len, batch=min(args.batch_size, max(len(p) for p in sets.values())))
+    log(f"eval: {drafter_dir} on {', '.join(f'{n} ({len(p)})' for n, p in sets.items())}, modes "
+        f"{', '.join(modes)}, {args.max_new_tokens} new tokens, batches of {args.batch_size}, T=0")
+    report = acceptance(engine, sets, modes, args.max_new_tokens, args.batch_size,
+                        progress=None if args.quiet else lambda n, m, st: log(f"  {n} {m}: tau {st.tau:.2f}"))
+    lines = markdown(report, modes)
+    print("\n".join(lines))
+    if args.out:
+        meta = {"drafter": str(drafter_dir), "target": str(target.path), "dtype": target.dtype.name,
+                "device": jax.devices()[0].device_kind, "date": datetime.date.today().isoformat(),
+                "max_new_tokens": args.max_new_tokens, "buckets": list(buckets), "tree_top_k": args.tree_top_k,
+                "draft_vocab": args.draft_vocab, "lookup": args.lookup, "datastore": args.datastore,
+                "batch_size": args.batch_size, "cond_head_rank": drafter.config.cond_head_rank,
+                "cond_head_recurrent": drafter.config.cond_head_recurrent, "cond_depths": engine.cond_depths,
+                "prompts": {n: len(p) for n, p in sets.items()}}
+        training = Path(drafter_dir) / "training.json"
+        if training.is_file():
+            meta["drafter_training"] = json.loads(training.read_text())
+        setting = (f"first {args.max_prompts} prompts per set, batches of {args.batch_size}, context lookup "
+                   f"{args.lookup} (datastore {args.datastore}) (tree modes)"
+                   + (f", {drafter.config.head_words} (per-parent depths {engine.cond_depths})"
+                      if meta["cond_head_rank"] else ""))
+        for path in write_report(args.out, report, lines, meta, setting):
+            log(f"wrote {path}")
