@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "signature and docstring from the Python standard library's sources, body left out (default 0)")
     d.add_argument("--methods", type=int, default=0, help="also use up to N method-completion prompts: a class "
                    "statement and one of its methods' signature and docstring, from the same sources (default 0)")
+    d.add_argument("--passages", type=int, default=0, help="also use up to N tasks over a passage of prose "
+                   "(summarise, list the main points, explain, rewrite) cut from the standard library's language "
+                   "reference topics and module docstrings (default 0)")
 
     k = sub.add_parser("pack", help="store data JSONL files compactly (uint16 ids, compressed .npz) to commit, "
                        "or unpack a .npz back to JSONL (to resume `data` on it)")
@@ -180,7 +183,7 @@ def run_data(args, target, log) -> None:
     from bastion_jax.text import load_tokenizer
     from bastion_jax.training.data import file_prompts, generate_responses, magpie_prompts, mix_prompts
     from bastion_jax.training.prompt_sources import (OPENER_SETS, docstring_prompts, method_prompts,
-                                                         stdlib_prompts)
+                                                         passage_prompts, stdlib_prompts)
 
     paths = [Path(s) for s in args.sources] if args.sources is not None else [DEFAULT_DATA_DIR / n
                                                                               for n in DEFAULT_SOURCES]
@@ -191,6 +194,8 @@ def run_data(args, target, log) -> None:
         sources.append(("docstrings", docstring_prompts(args.docstrings, args.seed)))
     if args.methods:
         sources.append(("methods", method_prompts(args.methods, args.seed)))
+    if args.passages:
+        sources.append(("passages", passage_prompts(args.passages, args.seed)))
     tokenizer = load_tokenizer(target)
     engine = Engine(target, tokenizer)
     if args.magpie:

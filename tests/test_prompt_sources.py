@@ -2,8 +2,9 @@
 
 import pytest
 
-from bastion_jax.training.prompt_sources import (MAGPIE_OPENERS, MATH_OPENERS, OPENER_SETS, docstring_prompts,
-                                                 method_prompts)
+from bastion_jax.training.prompt_sources import _PASSAGE_TASKS as _TASKS
+from bastion_jax.training.prompt_sources import (MAGPIE_OPENERS, MATH_OPENERS, OPENER_SETS, _chunks, docstring_prompts,
+                                                 method_prompts, passage_prompts)
 
 LIB = '''"""A module."""
 
@@ -93,6 +94,7 @@ def test_opener_sets_and_the_cli_choice():
     assert parse().magpie_openers is None
     assert parse("--docstrings", "7").docstrings == 7
     assert parse("--methods", "5").methods == 5 and parse().methods == 0
+    assert parse("--passages", "4").passages == 4 and parse().passages == 0
     with pytest.raises(SystemExit):
         parse("--magpie-openers", "poetry")
 
@@ -158,3 +160,30 @@ def test_method_prompts_keep_the_class_line_signature_and_docstring(tmp_path):
     functions = docstring_prompts(100, seed=0, root=tmp_path)  # a static method stands alone: a function
     assert len(functions) == 1 and "def helper(x):" in functions[0] and "class" not in functions[0]
     assert method_prompts(100, seed=0, root=tmp_path) == got  # deterministic
+
+
+def test_chunks_cut_at_paragraph_breaks_within_the_bounds():
+    paras = [f"p{i} " + "x" * (40 + 10 * i) for i in range(8)]
+    got = _chunks("\n\n".join(paras) + "\n\n" + "y" * 500, 100, 200)
+    assert got and all(100 <= len(c) <= 200 for c in got)
+    assert "y" * 500 not in "".join(got)  # a paragraph longer than a chunk is dropped, never cut
+    flat = [q for c in got for q in c.split("\n\n")]
+    assert all(q in paras for q in flat) and flat == sorted(flat, key=paras.index)  # whole, in order
+
+
+def test_passage_prompts_pose_tasks_over_topics_and_module_docs(tmp_path):
+    topic = "\n\n".join(f"Paragraph {i} of the for statement topic. " + "word " * 30 for i in range(6))
+    (tmp_path / "pydoc_data").mkdir()
+    (tmp_path / "pydoc_data" / "topics.py").write_text(f"topics = {{'for': {topic!r}, 'tiny': 'too short'}}\n")
+    (tmp_path / "mod.py").write_text('"""' + "A module docstring long enough to be a passage. " * 8 + '"""\n')
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "t.py").write_text('"""' + "A test module's docstring. " * 20 + '"""\n')
+    got = passage_prompts(100, seed=0, min_chars=150, max_chars=400, root=tmp_path)
+    passages = [p.replace(t, "").strip() for p in got for t in _TASKS if t in p]
+    assert len(passages) == len(got)  # every prompt carries one task, before or after its passage
+    assert sum("for statement topic" in q for q in passages) >= 3  # the topic, cut into several chunks
+    assert any(q.startswith("A module docstring") for q in passages)
+    assert not any("test module" in q or "too short" in q for q in passages)
+    assert all(len(q) <= 400 for q in passages)
+    assert {p.startswith(tuple(_TASKS)) for p in got} == {True, False}  # task first and task last
+    assert passage_prompts(100, seed=0, min_chars=150, max_chars=400, root=tmp_path) == got

@@ -150,6 +150,64 @@ def method_prompts(limit: int, seed: int = 0, max_chars: int = 1200, min_doc: in
     return out[:limit]
 
 
+# Tasks over a given passage (`passage_prompts`): answers that restate, condense or quote the prompt.
+_PASSAGE_TASKS = ("Summarize the following text in a few sentences.", "Write a short summary of this passage.",
+                  "What are the main points of the text below? Answer as a bulleted list.",
+                  "Explain the following documentation to a beginner, with an example.",
+                  "Based only on the text below, write three questions it answers, and answer them.",
+                  "Rewrite the following passage in plain, simple English.",
+                  "List the technical terms the text below uses, each with a one-line definition.")
+
+
+def _chunks(text: str, min_chars: int, max_chars: int) -> list[str]:
+    """`text` cut at paragraph breaks into pieces of at most `max_chars` (a longer paragraph is
+    dropped), pieces shorter than `min_chars` dropped."""
+    out: list[str] = []
+    piece = ""
+    for para in (p.strip() for p in text.split("\n\n")):
+        if not para or len(para) > max_chars:
+            continue
+        if piece and len(piece) + 2 + len(para) > max_chars:
+            out.append(piece)
+            piece = ""
+        piece = f"{piece}\n\n{para}" if piece else para
+    out.append(piece)
+    return [c for c in out if len(c) >= min_chars]
+
+
+def passage_prompts(limit: int, seed: int = 0, min_chars: int = 300, max_chars: int = 1000,
+                    root: str | Path | None = None) -> list[str]:
+    """Tasks over a passage of prose the prompt gives: summarise, list the main points, explain,
+    rewrite, question and answer.
+
+    Why a kind of its own: summaries and answers grounded in a given text repeat the prompt's words
+    and facts, which a drafter that reads the target's view of the context can learn to copy; the
+    other sources pose no such text. Passages are the language reference topics the standard library
+    ships (`pydoc_data/topics.py`, read as a literal, never imported) and its modules' docstrings,
+    cut at paragraph breaks (`_chunks`); the task comes before or after the passage."""
+    rng = random.Random(seed)
+    texts: list[str] = []
+    for lines, tree in _library_sources(root):
+        doc = ast.get_docstring(tree)
+        if doc:
+            texts.append(doc)
+        for node in tree.body:  # pydoc_data/topics.py: topics = {name: text, ...}
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "topics" for t in node.targets):
+                try:
+                    value = ast.literal_eval(node.value)
+                except ValueError:
+                    continue
+                if isinstance(value, dict):
+                    texts.extend(v for v in value.values() if isinstance(v, str))
+    out: list[str] = []
+    for text in texts:
+        for chunk in _chunks(text, min_chars, max_chars):
+            task = rng.choice(_PASSAGE_TASKS)
+            out.append(f"{task}\n\n{chunk}" if rng.random() < 0.5 else f"{chunk}\n\n{task}")
+    rng.shuffle(out)
+    return out[:limit]
+
+
 # Opening words for self-written prompts (`data.magpie_prompts(openers=...)`), by kind (OPENER_SETS).
 # General chat: from the bare user prefix a small target writes one kind of request over and over
 # (SmolLM2: "I'm planning ... how should I ...?" advice); a chat benchmark asks for essays, emails, role
