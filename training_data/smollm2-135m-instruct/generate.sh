@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17; do
+for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
@@ -67,3 +67,9 @@ done
 python -m bastion_jax.train_drafter data --out runs/data/m17.jsonl --num 1500 --seed 17 --sources --stdlib 0 \
   --docstrings 700 --magpie 800 --magpie-openers math --temperature 0
 python -m bastion_jax.train_drafter pack --data runs/data/m17.jsonl --out $here/m17.npz --vocab-size 49152
+# More of those kinds (2026-12-04, later): 600 maths problems of the target's own from the maths openers
+# (seed 18, magpie_prompts_m18) and 600 method-completion prompts (--methods: a class statement, then one
+# public method's decorators, signature and docstring from the same stdlib sources, body left out), T = 0.
+python -m bastion_jax.train_drafter data --out runs/data/m18.jsonl --num 1200 --seed 18 --sources --stdlib 0 \
+  --methods 600 --magpie 600 --magpie-openers math --temperature 0
+python -m bastion_jax.train_drafter pack --data runs/data/m18.jsonl --out $here/m18.npz --vocab-size 49152
