@@ -8,14 +8,14 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18; do
+for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18 p19; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
   prompts=$here/magpie_prompts.jsonl.gz
   [ $kind = t07s3 ] && prompts=$here/magpie_prompts_s3.jsonl.gz  # its own self-written prompts (seed 3; 300 used)
   [ $kind = t07s4 ] && prompts=$here/magpie_prompts_s4.jsonl.gz  # likewise (seed 4)
-  case $kind in c[0-9]*|m[0-9]*) prompts=$here/magpie_prompts_$kind.jsonl.gz ;; esac  # the chat / maths sets' own
+  case $kind in c[0-9]*|m[0-9]*|p[0-9]*) prompts=$here/magpie_prompts_$kind.jsonl.gz ;; esac  # the chat / maths sets' own
   if [ -f $prompts ] && [ ! -f runs/data/$kind.jsonl.magpie.jsonl ]; then
     gunzip -c $prompts > runs/data/$kind.jsonl.magpie.jsonl
   fi
@@ -73,3 +73,10 @@ python -m bastion_jax.train_drafter pack --data runs/data/m17.jsonl --out $here/
 python -m bastion_jax.train_drafter data --out runs/data/m18.jsonl --num 1200 --seed 18 --sources --stdlib 0 \
   --methods 600 --magpie 600 --magpie-openers math --temperature 0
 python -m bastion_jax.train_drafter pack --data runs/data/m18.jsonl --out $here/m18.npz --vocab-size 49152
+# Tasks over a passage of prose (2026-12-04): 700 passages cut at paragraph breaks from the stdlib's
+# language reference topics and module docstrings, each with a task (summarise, main points, explain,
+# rewrite, question and answer, terms), and 500 maths problems of the target's own (seed 19,
+# magpie_prompts_p19), T = 0; prompts kept to their last 320 tokens.
+python -m bastion_jax.train_drafter data --out runs/data/p19.jsonl --num 1200 --seed 19 --sources --stdlib 0 \
+  --passages 700 --magpie 500 --magpie-openers math --max-prompt-tokens 320 --temperature 0
+python -m bastion_jax.train_drafter pack --data runs/data/p19.jsonl --out $here/p19.npz --vocab-size 49152
