@@ -65,7 +65,7 @@ def run_eval(args, target, log) -> None:
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
                     draft_vocab=args.draft_vocab,
                     lookup=resolve_lookup(args.lookup), datastore=args.datastore,
-                    cond_depths=args.cond_depths)
+                    cond_depths=args.cond_depths, cond_candidates=args.cond_candidates)
     sets = {}
     for spec in args.prompts:
         path = resolve_prompt_file(spec)
@@ -88,13 +88,15 @@ def run_eval(args, target, log) -> None:
                 "draft_vocab": args.draft_vocab, "lookup": args.lookup, "datastore": args.datastore,
                 "batch_size": args.batch_size, "cond_head_rank": drafter.config.cond_head_rank,
                 "cond_head_recurrent": drafter.config.cond_head_recurrent, "cond_depths": engine.cond_depths,
+                "cond_candidates": engine.executables.config().cond_candidates,
                 "prompts": {n: len(p) for n, p in sets.items()}}
         training = Path(drafter_dir) / "training.json"
         if training.is_file():
             meta["drafter_training"] = json.loads(training.read_text())
         setting = (f"first {args.max_prompts} prompts per set, batches of {args.batch_size}, context lookup "
                    f"{args.lookup} (datastore {args.datastore}) (tree modes)"
-                   + (f", {drafter.config.head_words} (per-parent depths {engine.cond_depths})"
+                   + (f", {drafter.config.head_words} (per-parent depths {engine.cond_depths}"
+                      + (f", {meta['cond_candidates']} candidates per slot" if meta["cond_candidates"] else "") + ")"
                       if meta["cond_head_rank"] else ""))
         for path in write_report(args.out, report, lines, meta, setting):
             log(f"wrote {path}")

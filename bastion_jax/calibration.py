@@ -12,13 +12,13 @@ import time
 
 
 def calibration_model(target, drafter, draft_vocab=None, lookup: bool = True, datastore=None,
-                      cond_depths: int = 0) -> str:
+                      cond_depths: int = 0, cond_candidates: int = 0) -> str:
     """The models part of the calibration key: the target's and the drafter's files as they resolve on
     disk (`model_identity`), so `generate` and `profile --install` agree however a path is spelled,
     the target's layer layout, the draft vocabulary's size (it sets the price of a draft) and
     whether the context lookup runs in the tree steps (`--lookup off` steps cost less), and with a
     datastore of how many tokens (its search is part of every step), and the drafter's conditioned head
-    (its rank and the tree depths drawn per parent: both price a draft)."""
+    (its rank, the tree depths drawn per parent and the columns it corrects: all price a draft)."""
     from bastion_jax.latency import model_identity
 
     t = model_identity(target.path) if target.path is not None else "in-memory target"
@@ -31,6 +31,7 @@ def calibration_model(target, drafter, draft_vocab=None, lookup: bool = True, da
     if drafter.config.cond_head_rank:
         rec = " rec" if drafter.config.cond_head_recurrent else ""
         d += f"|cond-head {drafter.config.cond_head_rank}{rec} x{cond_depths}"
+        d += f" top {cond_candidates}" if cond_candidates else ""
     return with_lookup(f"{t}|{d}" + (f"|draft-vocab {int(draft_vocab.ids.shape[0])}" if draft_vocab is not None
                                      else "") + store, lookup)
 

@@ -105,6 +105,18 @@ def add_cond_head_flags(parser) -> None:
                         "it adds; off drafts with the plain DFlash drafter")
     parser.add_argument("--cond-depths", default="auto", type=_cond_depths_arg, help="tree depths 2..N take each parent's own law from "
                         "the head (auto: none on CPU, where it costs more than it adds; 4 elsewhere; 0: none)")
+    parser.add_argument("--cond-candidates", default="auto", type=_cond_candidates_arg, help="the head corrects "
+                        "only each slot's N most likely columns under the head-free law (auto: 64 on CPU, where "
+                        "the full correction costs more than it adds; every column elsewhere; 0: every column)")
+
+
+def _cond_candidates_arg(text: str) -> int | None:
+    """--cond-candidates as the engine takes it: None (auto) or a column count (0: all)."""
+    if text == "auto":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be auto or a number of columns (0: all of them), got {text!r}")
+    return int(text)
 
 
 def _cond_depths_arg(text: str) -> int | None:

@@ -30,7 +30,7 @@ from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims
 from bastion_jax.datastore import Datastore, resolve_datastore
 from bastion_jax.lookup import LookupConfig
 from bastion_jax.modeling.attention import PREFILL_TILE
-from bastion_jax.modeling.cond_head import default_cond_depths
+from bastion_jax.modeling.cond_head import default_cond_candidates, default_cond_depths
 from bastion_jax.sampling import SamplingConfig
 from bastion_jax.speculative import DraftVocab, resolve_draft_vocab
 from bastion_jax.stats import Result, Rows, Stats
@@ -96,7 +96,7 @@ class Engine:
                  buckets: Sequence[int] = DEFAULT_BUCKETS, top_k: int = 128,
                  latency: LatencyModel | None = None, draft_vocab: DraftVocab | str | int | None = "auto",
                  lookup: LookupConfig | None = LookupConfig(), datastore: Datastore | str | None = "auto",
-                 cond_depths: int | None = None):
+                 cond_depths: int | None = None, cond_candidates: int | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -135,12 +135,17 @@ class Engine:
             raise GenerationError("cond_depths draws tree children from a conditioned head; none is loaded (a drafter "
                                   "ships one as cond_head.json; on CPU --cond-head auto leaves it off: pass --cond-head on)")
         self.cond_depths = cond_depths
+        if cond_candidates is None:
+            cond_candidates = default_cond_candidates() if has_head else 0
+        if cond_candidates < 0:
+            raise GenerationError(f"cond_candidates must be >= 0 (0: the head corrects every column), got {cond_candidates}")
+        self.cond_candidates = cond_candidates
         self.lookup = lookup
         self.datastore = resolve_datastore(datastore, target, drafter, lookup)
         self.executables = Executables(target, drafter, proposal=proposal, block_size=block_size,
                                        mask_token_id=mask_token_id, buckets=self.buckets, top_k=top_k,
                                        draft_vocab=draft_vocab, lookup=lookup, store=self.datastore,
-                                       cond_depths=cond_depths)
+                                       cond_depths=cond_depths, cond_candidates=cond_candidates)
         # Per batch size, the draft gate's estimates, kept across requests (a batch's curves are its last
         # rows': `controller.batch_curve`, not one row's).
         self._gate_memory: dict[int, dict] = {}

@@ -100,12 +100,12 @@ class Executables:
     def __init__(self, target: Target, drafter: LoadedDrafter | None, *, proposal: Callable | None,
                  block_size: int | None, mask_token_id: int, buckets: tuple[int, ...], top_k: int,
                  draft_vocab: DraftVocab | None, lookup: LookupConfig | None = None,
-                 store: Datastore | None = None, cond_depths: int = 0):
+                 store: Datastore | None = None, cond_depths: int = 0, cond_candidates: int = 0):
         self.target, self.drafter, self.proposal, self.lookup = target, drafter, proposal, lookup
         self.store = store  # (a datastore serves the lookup: `datastore.resolve_datastore` refuses it without)
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.buckets, self.top_k, self.draft_vocab = buckets, top_k, draft_vocab
-        self.cond_depths = cond_depths
+        self.cond_depths, self.cond_candidates = cond_depths, cond_candidates
         # The steps take plain nested dicts of arrays: flattening an `nnx.State` (nested State nodes
         # flattened in Python) costs ~0.5 ms per call at SmolLM2's 272 leaves, 3% of a CPU decode step.
         self.target_params = nnx.to_pure_dict(target.state)
@@ -162,7 +162,7 @@ class Executables:
             cfg = self._configs[sampling.greedy] = StepConfig.of(
                 self.target, self.drafter, sampling=sampling, buckets=self.buckets, top_k=self.top_k,
                 proposal=self.proposal, block_size=self.block_size, mask_token_id=self.mask_token_id,
-                lookup=self.lookup, cond_depths=self.cond_depths)
+                lookup=self.lookup, cond_depths=self.cond_depths, cond_candidates=self.cond_candidates)
         return cfg
 
     @property

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"draft vocabulary: the {draft_vocab.ids.shape[0]} most frequent tokens (--draft-vocab full: all)")
         engine = Engine(target, tokenizer, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
                         draft_vocab=draft_vocab, lookup=resolve_lookup(args.lookup), datastore=args.datastore,
-                        cond_depths=args.cond_depths)
+                        cond_depths=args.cond_depths, cond_candidates=args.cond_candidates)
         if engine.datastore is not None and policy.uses_tree:
             log(f"datastore: {engine.datastore.tokens.shape[0]:,} target-written tokens for the lookup's chains "
                 "(--datastore off: the context's chains only)")
@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                                          engine.slack(policy))
         if policy.kind == "bastion":  # (a batch's steps are profiled and saved at its own size)
             model = calibration_model(target, drafter, engine.draft_vocab, lookup=engine.lookup is not None,
-                                      datastore=engine.datastore, cond_depths=engine.cond_depths)
+                                      datastore=engine.datastore, cond_depths=engine.cond_depths,
+                                      cond_candidates=engine.cond_candidates)
             load_or_calibrate(engine, model, cache_len, sampling, args.no_calibrate, log,
                               prefill_bucket(max(len(x) for x in ids), cache_len), batch=len(ids),
                               refresh=args.recalibrate)

@@ -204,10 +204,11 @@ def setup(args, log=lambda msg: None) -> Setup:
         model_name = None
     engine = Engine(target, None, drafter=drafter, stop_ids=[], buckets=buckets, top_k=args.tree_top_k,
                     draft_vocab=draft_vocab, lookup=lookup, datastore=datastore,
-                    cond_depths=getattr(args, "cond_depths", None))
+                    cond_depths=getattr(args, "cond_depths", None), cond_candidates=getattr(args, "cond_candidates", None))
     if model_name is None:  # what `generate` computes for the same pair and flags
         model_name = calibration_model(target, drafter, engine.draft_vocab, lookup=lookup is not None,
-                                       datastore=datastore, cond_depths=engine.cond_depths)
+                                       datastore=datastore, cond_depths=engine.cond_depths,
+                                       cond_candidates=engine.cond_candidates)
     if args.peaks == "measure":
         copy_bytes = args.copy_mib << 20 if args.copy_mib else None
         log("measuring copy bandwidth and matmul rate")

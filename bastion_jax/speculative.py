@@ -128,7 +128,8 @@ def head_logits(target, hidden: jax.Array, draft_vocab: Optional[DraftVocab] = N
 def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array | None,
                  ctx_len: jax.Array, root: jax.Array, *, block_size: int, mask_token_id: int,
                  proposal: Optional[Proposal], draft_vocab: Optional[DraftVocab] = None,
-                 active: jax.Array | None = None, with_law: bool = False, cond_table: jax.Array | None = None):
+                 active: jax.Array | None = None, with_law: bool = False, cond_table: jax.Array | None = None,
+                 cond_candidates: int = 0):
     """Inject `features` [b, C, F] (first ctx_len real) at ctx_start, then draft the block after `root`.
     `ctx_start` None: the drafter cache is empty (a prefill), the features go to slot 0.
 
@@ -138,6 +139,8 @@ def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, c
     from which a tree takes each parent's own law. `cond_table`: the head's table over the full
     vocabulary (`head_table`), made once by the caller, where there is no `draft_vocab` to carry it
     (else it is made here, every call: on CPU a [rank, vocab] product as large as the LM head's).
+    `cond_candidates` M > 0: the head corrects each slot's M best head-free columns only
+    (`cond_head.HeadLaw`; `StepConfig.cond_candidates`).
     """
     law = None
     b = root.shape[0]
@@ -150,7 +153,8 @@ def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, c
             table = draft_vocab.cond_table if draft_vocab is not None else cond_table
             if table is None:
                 table = head_table(drafter.cond_head, partial(head_logits, target, draft_vocab=draft_vocab))
-            law = head_law(drafter.cond_head, hidden[:, 1:], logits, target.embed_tokens.weight[...], table)
+            law = head_law(drafter.cond_head, hidden[:, 1:], logits, target.embed_tokens.weight[...], table,
+                           cond_candidates)
             logits = spine_logits(law, root, draft_vocab.ids if draft_vocab is not None else None)
     else:
         logits = jnp.zeros((b, block_size - 1, target.config.vocab_size), jnp.float32)
@@ -195,7 +199,8 @@ def spec_prefill(cfg: StepConfig, target_state, drafter_state, target_cache: KVC
                                                   cfg.tap_layers)
     drafts, drafter_cache = draft_block(target, drafter, drafter_cache, features, None, lengths,
                                         root, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                                        proposal=cfg.proposal, draft_vocab=draft_vocab, cond_table=cond_table)
+                                        proposal=cfg.proposal, draft_vocab=draft_vocab, cond_table=cond_table,
+                                        cond_candidates=cfg.cond_candidates)
     return SpecState(target_cache, drafter_cache, root, drafts, lengths + 0)  # fresh buffer: donatable
 
 
@@ -231,6 +236,6 @@ def spec_step(cfg: StepConfig, target_state, drafter_state, state: SpecState, ac
     drafts, drafter_cache = draft_block(target, drafter, state.drafter_cache, features, length, n_ctx, bonus,
                                         block_size=block_size, mask_token_id=cfg.mask_token_id,
                                         proposal=cfg.proposal, draft_vocab=draft_vocab, active=active,
-                                        cond_table=cond_table)
+                                        cond_table=cond_table, cond_candidates=cfg.cond_candidates)
     new_state = SpecState(out.cache, drafter_cache, bonus, drafts, new_length)
     return new_state, StepOutput(emitted, accepted + 1)

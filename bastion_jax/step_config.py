@@ -40,6 +40,9 @@ class StepConfig:
     # Tree depths 2..cond_depths take each parent's own law from the drafter's conditioned head
     # (`tree.build_tree`'s child_law); 0: the spine's laws for every depth (and always without a head).
     cond_depths: int = 0
+    # With a conditioned head, it corrects only each slot's cond_candidates best head-free columns
+    # (`cond_head.HeadLaw`: a [M, rank] product per slot and parent instead of [N, rank]); 0: all.
+    cond_candidates: int = 0
 
     def __hash__(self) -> int:
         """Computed once: hashing a GraphDef walks the whole module graph (~2 ms at SmolLM2), and the
@@ -54,7 +57,7 @@ class StepConfig:
     def of(cls, target, drafter=None, *, sampling: SamplingConfig = SamplingConfig(),
            buckets: Sequence[int] = (1,), top_k: int = 1, proposal: Optional[Proposal] = None,
            block_size: Optional[int] = None, mask_token_id: int = 0,
-           lookup: Optional[LookupConfig] = None, cond_depths: int = 0) -> "StepConfig":
+           lookup: Optional[LookupConfig] = None, cond_depths: int = 0, cond_candidates: int = 0) -> "StepConfig":
         """The config for a loaded target (and drafter): block size, mask token and taps come from the
         drafter's config when there is one (`block_size` / `mask_token_id` serve a drafter-less
         proposal)."""
@@ -65,4 +68,5 @@ class StepConfig:
                    tap_layers=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
                    proposal=proposal, buckets=tuple(sorted(set(int(b) for b in buckets))), top_k=top_k,
                    lookup=lookup,
-                   cond_depths=cond_depths if drafter is not None and drafter.config.cond_head_rank else 0)
+                   cond_depths=cond_depths if drafter is not None and drafter.config.cond_head_rank else 0,
+                   cond_candidates=cond_candidates if drafter is not None and drafter.config.cond_head_rank else 0)

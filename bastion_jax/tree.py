@@ -21,10 +21,11 @@ import numpy as np
 from bastion_jax.lookup import Chain
 
 
-# child_law(d, parent tokens [m], states [m, S]) -> (log-probs [m, vocab], states [m, S]): row d's law
-# given each parent and the state its own parent handed down, and the state it hands its children
-# (`build_tree`)
-ChildLaw = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+# child_law(d, parent tokens [m], states [m, S]) -> (log-probs [m, C], columns [C] or None, states
+# [m, S]): row d's law given each parent and the state its own parent handed down, over C of the
+# vocabulary's columns (None: all of them, C = vocab; else which ones, the rest never drafted there),
+# and the state it hands its children (`build_tree`)
+ChildLaw = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array | None, jax.Array]]
 
 
 class Tree(NamedTuple):
@@ -55,8 +56,9 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     it is never one of the tree's num_nodes - 1 nodes. Same tree, a smaller top-k and candidate lists.
 
     `child_law` (with `cond_depths` >= 2): the children of depths 2..cond_depths come from each
-    parent's own law, `child_law(d, parent tokens [m], states [m, S])` -> (log-probs [m, vocab],
-    states [m, S]) for row d (a drafter's conditioned head, `modeling/cond_head.py`), instead of the
+    parent's own law, `child_law(d, parent tokens [m], states [m, S])` -> (log-probs [m, C], columns
+    [C] or None, states [m, S]) for row d (a drafter's conditioned head, `modeling/cond_head.py`;
+    C < vocab: the law's candidate columns, the only children drafted there), instead of the
     depth's shared row. The states are what each parent's own parent handed down (`child_state` [S]
     for the root's children; none when None) and what the parent hands its children: a law that
     depends on the whole path above it (a recurrent head) stays exact per node. Depth 1
@@ -207,21 +209,23 @@ def _conditioned_depths(child_law: ChildLaw, carry, states: jax.Array, n_cond: i
     their parents handed down), takes each row's top k (and, with a chain, the chain token's log-prob
     in each row) and keeps the best m pairs, each child with its parent's state."""
     neg_inf = jnp.float32(-jnp.inf)
-    pairs = tuple(map(jnp.asarray, _cond_pairs(m, k - (chain is not None))))
     kk = k - (chain is not None)  # the drafter's candidates per row (a chain adds its token as one more)
 
     def body(carry, d):
         prev, on, ptok, pstate = carry  # [m] scores, [m] bool, [m] target ids (-1: padding), [m, S]
-        law, state = child_law(d, jnp.maximum(ptok, 0), pstate)  # [m, vocab], [m, S] the parents' own
+        law, cols, state = child_law(d, jnp.maximum(ptok, 0), pstate)  # [m, C], [C] or None, [m, S]
         law = law.astype(jnp.float32)
-        lp, col = jax.lax.optimization_barrier(jax.lax.top_k(law, kk))  # [m, kk] (barrier: see build_tree)
-        tok = ids[col] if ids is not None else col
+        width = min(kk, law.shape[1])  # a law over C < kk candidate columns offers C children
+        pairs = tuple(map(jnp.asarray, _cond_pairs(m, width)))
+        lp, col = jax.lax.optimization_barrier(jax.lax.top_k(law, width))  # [m, width] (barrier: see build_tree)
+        ids_c = ids if cols is None else (cols if ids is None else ids[cols])  # a column's token id (None: itself)
+        tok = ids_c[col] if ids_c is not None else col
         if chain is None:
             on_rows = off_rows = lp
             chain_d = jnp.int32(-1)
         else:
             chain_d = chain.tokens[d]
-            hit = (ids == chain_d) if ids is not None else (jnp.arange(law.shape[1]) == chain_d)  # [vocab]
+            hit = (ids_c == chain_d) if ids_c is not None else (jnp.arange(law.shape[1]) == chain_d)  # [C]
             chain_lp = jnp.where((chain_d >= 0) & hit.any(), jnp.max(jnp.where(hit[None], law, neg_inf), axis=1),
                                  neg_inf)  # [m]
             off_rows, tok, on_rows = _candidates_with_chain(lp, tok, jnp.full((m,), chain_d), jnp.full((m,), chain.cont),

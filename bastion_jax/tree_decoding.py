@@ -77,7 +77,7 @@ def _next_tree(cfg: StepConfig, target, drafter, drafter_cache, features, ctx_st
     logits, drafter_cache, law = draft_logits(target, drafter, drafter_cache, features, ctx_start, ctx_len, root,
                                               block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                                               proposal=cfg.proposal, draft_vocab=draft_vocab, active=active,
-                                              with_law=True)
+                                              with_law=True, cond_candidates=cfg.cond_candidates)
     ids = draft_vocab.ids if draft_vocab is not None else None  # columns of a reduced vocabulary -> token ids
     if cfg.cond_depths < 2:
         law = None

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
                     draft_vocab=args.draft_vocab,
                     lookup=resolve_lookup(args.lookup), datastore=args.datastore,
-                    cond_depths=args.cond_depths)
+                    cond_depths=args.cond_depths, cond_candidates=args.cond_candidates)
     modes = ["ar", "dflash"] + [f"fixed:{n}" for n in parse_buckets(args.fixed)] + ["bastion"]
     if max(buckets) >= 32:
         modes.append("bastion-paper")
@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             "reps": args.reps, "commit": commit(),
             "cond_head_rank": drafter.config.cond_head_rank if drafter is not None else 0,
             "cond_head_recurrent": drafter is not None and drafter.config.cond_head_recurrent,
-            "cond_depths": engine.cond_depths}
+            "cond_depths": engine.cond_depths,
+            "cond_candidates": engine.executables.config(sampling).cond_candidates}
     training = Path(args.drafter) / "training.json"
     if training.is_file():  # how the drafter was trained travels with its numbers
         meta["drafter_training"] = json.loads(training.read_text())
@@ -229,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# {args.name}", "", f"{meta['device']}, {meta['date']}, {meta['dtype']}, drafter {args.drafter}, "
              f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, {sampling_words(sampling)}, "
              f"context lookup {args.lookup}"
-             + (f", {drafter.config.head_words} (per-parent depths {meta['cond_depths']})"
+             + (f", {drafter.config.head_words} (per-parent depths {meta['cond_depths']}"
+                + (f", {meta['cond_candidates']} candidates per slot" if meta["cond_candidates"] else "") + ")"
                 if meta["cond_head_rank"] else (", conditioned head off" if args.cond_head == "off" else ""))
              + (f", batches of {args.batch} prompts" if args.batch > 1 else "")
              + (f", median-time run of {args.reps} per mode and prompt" if args.reps > 1 else ""), "",

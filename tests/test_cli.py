@@ -214,7 +214,8 @@ def test_the_cli_keeps_compiled_steps_in_the_cache_root(tiny_ckpt, tmp_path):
                                           (("--mode", "weird"), "unknown mode 'weird'"),
                                           (("--temperature", "-1"), "temperature must be"),
                                           (("--cond-depths", "x"), "--cond-depths: must be auto or a number"),
-                                          (("--cond-depths", "-2"), "--cond-depths: must be auto or a number")])
+                                          (("--cond-depths", "-2"), "--cond-depths: must be auto or a number"),
+                                          (("--cond-candidates", "-1"), "--cond-candidates: must be auto or a number")])
 def test_bad_settings_are_refused_before_loading(capsys, tmp_path, bad, message):
     """A bad setting is named before any checkpoint is read (here none exists), not after loading
     and calibrating (argparse refuses a bad count while parsing: exit status 2)."""

@@ -98,7 +98,8 @@ def test_spine_logits_match_brute_force(pair, reduced, recurrent):
     states = jax.random.normal(jax.random.key(5), (4, 6))
     row = law._replace(a=law.a[1], base=law.base[1])
     for k in range(depth):
-        got_k, got_u = child_log_probs(row, k, parents, states)  # [4, N], [4, rank]
+        got_k, cols, got_u = child_log_probs(row, k, parents, states)  # [4, N], None (every column), [4, rank]
+        assert cols is None
         for i, p in enumerate(np.asarray(parents)):
             z, u = head(hidden[1, k], jnp.asarray(emb[p]), states[i])
             np.testing.assert_allclose(np.asarray(got_k[i]), np.asarray(jax.nn.log_softmax(lm(z[None])[0])),
@@ -107,6 +108,57 @@ def test_spine_logits_match_brute_force(pair, reduced, recurrent):
         # the states matter exactly when the head is recurrent
         assert np.allclose(np.asarray(child_log_probs(row, k, parents, 0 * states)[0]), np.asarray(got_k),
                            atol=1e-6) != recurrent
+
+
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_candidate_laws_match_brute_force(pair, recurrent):
+    """With candidates, each slot's M best head-free columns carry the head's conditioned logits and
+    every other column its head-free one: the spine drafts the argmax among the candidates, and a
+    tree parent's law is the candidates' log-probs under that mixed row (its normaliser counting
+    the other columns' head-free mass), all as the head run slot by slot on the full hidden state."""
+    loaded, drafter = pair
+    grown = with_head(drafter, 6, seed=4, scale=3.0, recurrent=recurrent)
+    head = nnx.merge(grown.graphdef, grown.state).cond_head
+    target = nnx.merge(loaded.graphdef, loaded.state)
+    b, depth, h, m = 2, BLOCK - 1, target.config.hidden_size, 5
+    hidden = jax.random.normal(jax.random.key(1), (b, depth, h))
+    root = jnp.array([3, 17])
+    lm = (lambda x: head_logits(target, x))
+    base = lm(hidden)
+    embed = target.embed_tokens.weight[...]
+    law = head_law(head, hidden, base, embed, head_table(head, lm), candidates=m)
+    assert head_law(head, hidden, base, embed, head_table(head, lm), candidates=base.shape[-1]).cols is None
+    got = np.asarray(spine_logits(law, root, None))
+    emb = np.asarray(loaded.state["embed_tokens"]["weight"][...])
+    base_np = np.asarray(base)
+    changed = False
+    for r in range(b):
+        prev, u = int(root[r]), None
+        for k in range(depth):
+            cols = np.argsort(-base_np[r, k], kind="stable")[:m]
+            np.testing.assert_array_equal(np.sort(np.asarray(law.cols[r, k])), np.sort(cols))
+            z, u = head(hidden[r, k], jnp.asarray(emb[prev]), u)
+            want = base_np[r, k].copy()
+            want[cols] = np.asarray(lm(z[None]))[0][cols]
+            np.testing.assert_allclose(got[r, k], want, rtol=1e-4, atol=1e-4)
+            changed |= int(np.argmax(want)) != int(np.argmax(base_np[r, k]))
+            prev = int(cols[np.argmax(want[cols])])
+    assert changed  # (the head re-ranks the candidates here)
+    # A tree parent's law over the candidates of slot k.
+    parents = jnp.array([0, 7, 40])
+    states = jax.random.normal(jax.random.key(5), (3, 6))
+    row = law._replace(a=law.a[1], base=law.base[1], cols=law.cols[1], table_c=law.table_c[1], base_c=law.base_c[1],
+                       tail=law.tail[1])
+    for k in range(depth):
+        lp, cols, _ = child_log_probs(row, k, parents, states)  # [3, m], [m]
+        assert lp.shape == (3, m)
+        np.testing.assert_array_equal(np.asarray(cols), np.asarray(law.cols[1, k]))
+        for i, p in enumerate(np.asarray(parents)):
+            z, _ = head(hidden[1, k], jnp.asarray(emb[p]), states[i])
+            full = base_np[1, k].copy()
+            full[np.asarray(cols)] = np.asarray(lm(z[None]))[0][np.asarray(cols)]
+            want = full[np.asarray(cols)] - np.log(np.sum(np.exp(full - full.max()))) - full.max()
+            np.testing.assert_allclose(np.asarray(lp[i]), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -122,10 +174,13 @@ def test_decoding_with_a_head_equals_ar(pair, dtype, tmp_path):
     d = LoadedDrafter(grown.config, grown.graphdef, jax.tree.map(lambda a: a.astype(dtype), grown.state))
     prompts = [[5, 9, 11, 40], [7, 7, 8, 30, 31, 2]]
     ranking = np.random.default_rng(1).permutation(target.config.vocab_size)
-    for vocab, cond_depths in ((None, 0), (DraftVocab.from_ranking(target, ranking, 48), 0),
-                               (DraftVocab.from_ranking(target, ranking, 48), 3)):
+    cases = ((None, 0, 0), (DraftVocab.from_ranking(target, ranking, 48), 0, 0),
+             (DraftVocab.from_ranking(target, ranking, 48), 3, 0),
+             (DraftVocab.from_ranking(target, ranking, 48), 3, 6))  # the head on 6 candidates per slot
+    for vocab, cond_depths, candidates in cases:
         engine = Engine(target, drafter=d, stop_ids=[-1], buckets=(1, 4, 8), top_k=4, draft_vocab=vocab,
-                        cond_depths=cond_depths)
+                        cond_depths=cond_depths, cond_candidates=candidates)
+        assert engine.executables.config(SamplingConfig()).cond_candidates == candidates
         if vocab is not None:
             assert engine.draft_vocab.cond_table is not None  # made once, not in every step
         # the chain drafts over every token: its table is made once too, and bound to its steps
@@ -133,6 +188,7 @@ def test_decoding_with_a_head_equals_ar(pair, dtype, tmp_path):
         assert step.bound[1].shape == (target.config.vocab_size, 8) and step.bound[1] is prefill.bound[1]
         ar = engine.generate(prompts, max_new_tokens=24, mode="ar").tokens
         modes = ("dflash", "fixed:4", "bastion") if cond_depths == 0 else ("fixed:8", "bastion")
+        modes += ("dflash",) if candidates else ()  # the chain's spine over the full vocabulary's candidates
         for mode in modes:
             assert engine.generate(prompts, max_new_tokens=24, mode=mode).tokens == ar, (mode, vocab is None)
 
@@ -143,6 +199,10 @@ def test_cond_depths_are_checked(pair):
         Engine(target, drafter=drafter, stop_ids=[-1], cond_depths=3)
     with pytest.raises(Exception, match=r"cond_depths must be in \[0, block size - 1 = 3\], got 4"):
         Engine(target, drafter=with_head(drafter, 4, seed=0), stop_ids=[-1], cond_depths=4)
+    with pytest.raises(Exception, match=r"cond_candidates must be >= 0"):
+        Engine(target, drafter=with_head(drafter, 4, seed=0), stop_ids=[-1], cond_candidates=-1)
+    # without a head there is nothing to restrict: the setting is dropped from the steps' config
+    assert Engine(target, drafter=drafter, stop_ids=[-1], cond_candidates=8).executables.config().cond_candidates == 0
 
 
 def test_head_files_round_trip_and_refusals(pair, tmp_path, capsys):
@@ -297,7 +357,7 @@ def test_a_steps_tree_takes_each_parents_own_law(pair, recurrent):
         def path_law(d, path, row=row, root=int(root[r])):  # the law of the children of path's last token
             u = root_state(row, jnp.int32(root))[None]  # [1, rank]
             for i, t in enumerate(path):
-                lp, u = child_log_probs(row, i + 1, jnp.array([t]), u)
+                lp, _, u = child_log_probs(row, i + 1, jnp.array([t]), u)
             return np.asarray(lp[0])
 
         shared = np.asarray(jax.nn.log_softmax(logits[r], axis=-1))

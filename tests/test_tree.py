@@ -209,12 +209,23 @@ def test_per_parent_tree_equals_brute_force(seed):
         chain = rng.integers(0, vocab, depth).tolist()[:cut] + [-1] * (depth - cut)
         first, cont = float(rng.uniform(0.1, 0.9)), float(rng.uniform(0.1, 0.9))
     root = int(rng.integers(0, vocab))
+    compact = seed % 4 in (1, 2)  # the parents' laws over C of the columns only (a head on candidates)
+    if compact:
+        c_cols = int(rng.integers(1, vocab + 1))
+        cols = np.stack([rng.permutation(vocab)[:c_cols] for _ in range(depth)])  # [depth, C]
+        outside = np.ones((depth, vocab), bool)
+        outside[np.arange(depth)[:, None], cols] = False
+        law = np.where(outside[:, None, :], -np.inf, law)  # what the brute force sees: never drafted there
     ref = per_parent_brute_force(root, shared, law, n_cond, 400, top_k, ids, chain, first or 0.0, cont or 0.0)
     n = int(rng.integers(2, len(ref) + 3))
     c = None if chain is None else Chain(jnp.asarray(chain, jnp.int32), jnp.float32(first), jnp.float32(cont))
     law_j = jnp.asarray(law)
-    tree = jax.jit(lambda r, lp, i, c: build_tree(r, lp, n, top_k, i, c, lambda d, p, s: (law_j[d][p], s),
-                                                  n_cond))(
+    if compact:
+        cols_j = jnp.asarray(cols, jnp.int32)
+        child_law = (lambda d, p, s: (law_j[d][p][:, cols_j[d]], cols_j[d], s))
+    else:
+        child_law = (lambda d, p, s: (law_j[d][p], None, s))
+    tree = jax.jit(lambda r, lp, i, c: build_tree(r, lp, n, top_k, i, c, child_law, n_cond))(
         jnp.int32(root), jnp.asarray(shared), None if ids is None else jnp.asarray(ids, jnp.int32), c)
     want = ref[: n - 1]
     valid = np.asarray(tree.tokens)[1:] >= 0
@@ -248,7 +259,7 @@ def test_per_parent_laws_of_the_whole_path(seed):
 
     def child_law(d, parents, states):  # states [m, 1]: the code of each parent's parent's path
         own = (states[:, 0] * (vocab + 1) + parents + 1) % codes
-        return rows_j[d][own], own[:, None]
+        return rows_j[d][own], None, own[:, None]
 
     tree = jax.jit(lambda r, lp: build_tree(r, lp, n, top_k, None, None, child_law, n_cond,
                                             jnp.array([root + 1], jnp.int32)))(jnp.int32(root), jnp.asarray(shared))
@@ -266,7 +277,7 @@ def test_per_parent_tree_keeps_the_last_parents_peaked_child():
     law = np.log(np.full((2, 3, 3), 1 / 3))
     law[1, 1] = np.log([0.99, 0.005, 0.005])  # token 1's child 0 is near certain
     law_j = jnp.asarray(law)
-    tree = build_tree(jnp.int32(2), jnp.asarray(shared), 4, 3, None, None, lambda d, p, s: (law_j[d][p], s), 2)
+    tree = build_tree(jnp.int32(2), jnp.asarray(shared), 4, 3, None, None, lambda d, p, s: (law_j[d][p], None, s), 2)
     assert node_paths(tree) == [(0,), (1,), (1, 0)]
     ref = per_parent_brute_force(2, shared, law, 2, 3, 3)
     assert [p for _, p in ref] == node_paths(tree)

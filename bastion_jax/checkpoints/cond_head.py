@@ -43,7 +43,9 @@ def default_cond_head() -> bool:
     sequential spine (15 small products per drafting call) cost more than its acceptance bought in a
     CPU A/B (SmolLM2, 24 prompts: bastion 1.27x AR without the head, 1.23x with it; fixed:4 tau 1.94
     -> 1.96, `benchmarks/results/cpu-smollm2-cond-head.md`); elsewhere yes, where those products are
-    a few small kernels beside the target's verify and tau rises 8-10% (the shipped recurrent rank-256 head)."""
+    a few small kernels beside the target's verify and tau rises 8-10% (the shipped recurrent rank-256 head).
+    Still off on CPU with the head on 64 candidates per slot (its extra draft time ~10 -> ~2 ms):
+    bastion 1.24x AR with it, 1.27x twice without (`benchmarks/results/cpu-smollm2-head-candidates.md`)."""
     import jax
 
     return jax.default_backend() != "cpu"

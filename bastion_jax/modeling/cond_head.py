@@ -25,8 +25,11 @@ Cost: with H the LM-head rows the drafter scores, slot k's logits are H h_k + (H
 term for every slot in one product (as without a head), the second an [N, rank] table (`head_table`,
 made once per engine: with the draft vocabulary, or for the chain's full vocabulary) times the
 rank-sized u_k, one slot after another (`rec` adds a [rank, rank] product per slot). Small on an
-accelerator; on a 2-core CPU those 15 sequential products cost more than the CPU's small trees
-gain, so the head is off there by default (`checkpoints.cond_head.default_cond_head`).
+accelerator; on a 2-core CPU those 15 sequential products (and a tree's per-parent ones) cost more
+than the CPU's small trees gain. With candidates (`HeadLaw`, `Engine(cond_candidates=...)`, 64 by
+default on CPU) the head corrects only each slot's best head-free columns, which cuts its extra
+draft time there from ~10 to ~2 ms with depths 2-4, yet still not enough to pay, so the head stays
+off on CPU by default (`checkpoints.cond_head.default_cond_head`).
 """
 
 from __future__ import annotations
@@ -81,7 +84,16 @@ def head_table(head: CondHead, lm_head: Callable[[jax.Array], jax.Array]) -> jax
 class HeadLaw(NamedTuple):
     """What a block's conditioned laws need, computed once per drafting call: slot k's law given a
     previous token x is log_softmax(base[k] + table silu(a[k] + W1e e(x))). Batched over rows in `a`
-    and `base`; the rest is shared."""
+    and `base` (and the candidate fields); the rest is shared.
+
+    With candidates (`head_law(..., candidates=M)`), the head corrects only each slot's M most likely
+    columns under its head-free law (`cols`) and the other columns keep their head-free logits, whose
+    mass (`tail`) enters each conditioned law's normaliser as it is. Why: slot by slot, the full
+    correction is a [N, rank] product per slot in the spine and per kept parent in a tree's depths
+    (63 x 8,192 x 256 per depth at SmolLM2), which on a 2-core CPU costs more than the head's
+    acceptance buys; the candidates' is [M, rank]. Drafting needs good laws, not exact ones
+    (verification keeps the output exact), and a head that re-ranks reaches beyond a slot's M best
+    head-free columns only rarely (`benchmarks/results/cpu-smollm2-head-candidates.md`)."""
 
     a: jax.Array  # [b, D, rank] fc1's hidden columns times each slot's hidden state, + bias
     base: jax.Array  # [b, D, N] float32 logits without the head (H h)
@@ -89,19 +101,34 @@ class HeadLaw(NamedTuple):
     embed: jax.Array  # [V, h] the target's embedding table
     table: jax.Array  # [N, rank] (`head_table`)
     w_rec: jax.Array | None = None  # [rank, rank] `rec` (a recurrent head), else None
+    cols: jax.Array | None = None  # [b, D, M] int32 each slot's candidate columns (None: every column)
+    table_c: jax.Array | None = None  # [b, D, M, rank] their rows of `table`
+    base_c: jax.Array | None = None  # [b, D, M] float32 their head-free logits
+    tail: jax.Array | None = None  # [b, D] float32 logsumexp of the other columns' head-free logits
 
 
-# The axes a vmap over rows maps: `a` and `base` per row, the rest shared.
-LAW_ROW_AXES = HeadLaw(0, 0, None, None, None, None)
+# The axes a vmap over rows maps: `a`, `base` and the candidate fields per row, the rest shared.
+LAW_ROW_AXES = HeadLaw(0, 0, None, None, None, None, 0, 0, 0, 0)
 
 
-def head_law(head: CondHead, hidden: jax.Array, base: jax.Array, embed: jax.Array, table: jax.Array) -> HeadLaw:
+def head_law(head: CondHead, hidden: jax.Array, base: jax.Array, embed: jax.Array, table: jax.Array,
+             candidates: int = 0) -> HeadLaw:
     """hidden: [b, D, h] slots 1..D's hidden states; base: [b, D, N] their logits without the head;
-    embed: [V, h] the target's embedding table; table: [N, rank]."""
+    embed: [V, h] the target's embedding table; table: [N, rank]; `candidates` M > 0 (and < N): the
+    head corrects each slot's M best head-free columns only (see `HeadLaw`)."""
     w_h, w_e = head.split_fc1()
     a = project("...h,rh->...r", hidden, w_h) + head.fc1.bias[...]  # [b, D, rank]: every slot at once
     w_rec = head.rec.weight[...] if head.rec is not None else None
-    return HeadLaw(a, base.astype(jnp.float32), w_e, embed, table, w_rec)
+    base = base.astype(jnp.float32)
+    law = HeadLaw(a, base, w_e, embed, table, w_rec)
+    if not 0 < candidates < base.shape[-1]:
+        return law
+    # The barrier keeps XLA:CPU from turning top-k into a full sort (as in `tree.build_tree`).
+    base_c, cols = jax.lax.optimization_barrier(jax.lax.top_k(base, candidates))  # [b, D, M]
+    lse_all = jax.nn.logsumexp(base, axis=-1)  # [b, D]
+    share = jnp.exp(jnp.minimum(jax.nn.logsumexp(base_c, axis=-1) - lse_all, 0.0))  # the candidates' mass
+    tail = lse_all + jnp.log1p(-share)  # [b, D]; -inf when the candidates hold it all
+    return law._replace(cols=cols.astype(jnp.int32), table_c=jnp.take(table, cols, axis=0), base_c=base_c, tail=tail)
 
 
 def head_state(law: HeadLaw, slot: jax.Array, prev: jax.Array, state: jax.Array) -> jax.Array:
@@ -114,12 +141,26 @@ def head_state(law: HeadLaw, slot: jax.Array, prev: jax.Array, state: jax.Array)
     return jax.nn.silu(pre)
 
 
+def candidate_logits(law: HeadLaw, slot: jax.Array, prev: jax.Array, state: jax.Array
+                     ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """(logits [..., C], their columns [C] or None for all N, u [..., rank]) of slot `slot` given `prev`
+    and the previous slot's state (`head_state`), for one row's law: H h + table u over every column,
+    or over the slot's candidates when the law has them."""
+    u = head_state(law, slot, prev, state)
+    if law.cols is None:
+        return law.base[slot] + project("...r,nr->...n", u, law.table, jnp.float32), None, u
+    return law.base_c[slot] + project("...r,mr->...m", u, law.table_c[slot], jnp.float32), law.cols[slot], u
+
+
 def conditioned_logits(law: HeadLaw, slot: jax.Array, prev: jax.Array, state: jax.Array
                        ) -> tuple[jax.Array, jax.Array]:
-    """(logits [..., N], u [..., rank]) of slot `slot` given `prev` and the previous slot's state
-    (`head_state`), for one row's law (`base` [D, N]): H h + table u."""
-    u = head_state(law, slot, prev, state)
-    return law.base[slot] + project("...r,nr->...n", u, law.table, jnp.float32), u
+    """(logits [..., N], u [..., rank]) of slot `slot` given `prev` and the previous slot's state, for
+    one row's law (`base` [D, N]); with candidates, the other columns keep their head-free logits."""
+    logits, cols, u = candidate_logits(law, slot, prev, state)
+    if cols is None:
+        return logits, u
+    full = jnp.broadcast_to(law.base[slot], logits.shape[:-1] + law.base.shape[-1:])
+    return full.at[..., cols].set(logits), u
 
 
 def root_state(law: HeadLaw, root: jax.Array) -> jax.Array:
@@ -128,30 +169,45 @@ def root_state(law: HeadLaw, root: jax.Array) -> jax.Array:
 
 
 def child_log_probs(law: HeadLaw, slot: jax.Array, parents: jax.Array, states: jax.Array
-                    ) -> tuple[jax.Array, jax.Array]:
+                    ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """One row's law of slot `slot` for each parent token [m], given the states [m, rank] their own
-    parents handed down -> (log-probs [m, N], the parents' states [m, rank] for their children)
-    (`tree.build_tree`'s `child_law`: the children of depth slot + 1 drawn from each kept parent's
-    own law)."""
-    logits, u = conditioned_logits(law, slot, parents, states)
-    return jax.nn.log_softmax(logits, axis=-1), u
+    parents handed down -> (log-probs [m, C], their columns [C] (None: all N), the parents' states
+    [m, rank] for their children) (`tree.build_tree`'s `child_law`: the children of depth slot + 1
+    drawn from each kept parent's own law). With candidates, the log-probs are the candidates' under
+    the law whose other columns keep their head-free logits (normalised with `tail`)."""
+    logits, cols, u = candidate_logits(law, slot, parents, states)
+    if cols is None:
+        return jax.nn.log_softmax(logits, axis=-1), None, u
+    norm = jnp.logaddexp(jax.nn.logsumexp(logits, axis=-1), law.tail[slot])  # [m]
+    return logits - norm[:, None], cols, u
 
 
 def spine_logits(law: HeadLaw, root: jax.Array, ids: jax.Array | None) -> jax.Array:
     """Every slot's logits [b, D, N] float32 conditioned on the drafted tokens before it: slot 1 given
     the root [b] (target ids), slot k given slot k-1's argmax under its own conditioned law (the spine
     a greedy chain drafts); `ids` [N] maps columns to target ids (a reduced draft vocabulary; None:
-    the column is the id)."""
+    the column is the id). With candidates, only each slot's candidates are conditioned and the
+    spine's argmax is taken among them; the other columns keep their head-free logits."""
+    rows = law.a.shape[0]
 
     def slot(carry: tuple[jax.Array, jax.Array], k: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
         prev, state = carry  # [b], [b, rank]
-        logits, u = jax.vmap(conditioned_logits, in_axes=(LAW_ROW_AXES, None, 0, 0))(law, k, prev, state)
-        best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b] column
-        return ((best if ids is None else ids[best]), u), logits  # [b], [b, N]
+        logits, cols, u = jax.vmap(candidate_logits, in_axes=(LAW_ROW_AXES, None, 0, 0),
+                                   out_axes=(0, 0 if law.cols is not None else None, 0))(law, k, prev, state)
+        best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b] column (of the candidates: [b, M] -> [b])
+        if cols is not None:
+            best = jnp.take_along_axis(cols, best[:, None], axis=1)[:, 0]
+        return ((best if ids is None else ids[best]), u), logits  # [b], [b, C]
 
     state0 = jnp.zeros(law.a.shape[:1] + law.a.shape[2:], law.a.dtype)  # [b, rank]
-    _, logits = jax.lax.scan(slot, (root.astype(jnp.int32), state0), jnp.arange(law.a.shape[1]))
-    return jnp.moveaxis(logits, 0, 1)  # [b, D, N]
+    # Unrolled: the slots' products are small, and on XLA:CPU a loop's per-iteration overhead is
+    # most of their time.
+    _, logits = jax.lax.scan(slot, (root.astype(jnp.int32), state0), jnp.arange(law.a.shape[1]), unroll=True)
+    logits = jnp.moveaxis(logits, 0, 1)  # [b, D, C]
+    if law.cols is None:
+        return logits
+    d = law.a.shape[1]
+    return law.base.at[jnp.arange(rows)[:, None, None], jnp.arange(d)[None, :, None], law.cols].set(logits)
 
 
 def default_cond_depths() -> int:
@@ -160,3 +216,10 @@ def default_cond_depths() -> int:
     tree cost more there than the acceptance they add (`benchmarks/results/cpu-smollm2-cond-head.md`);
     elsewhere depths 2-4 (a few small kernels per depth beside the target's verify)."""
     return 0 if jax.default_backend() == "cpu" else 4
+
+
+def default_cond_candidates() -> int:
+    """Columns per slot the conditioned head corrects by default (`HeadLaw`; `Engine(cond_candidates=
+    None)`): on CPU 256 of the draft vocabulary, where the full correction's products cost more than
+    the head's acceptance buys; elsewhere every column (0)."""
+    return 64 if jax.default_backend() == "cpu" else 0
