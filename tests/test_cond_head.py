@@ -301,7 +301,7 @@ def test_a_head_trained_on_a_frozen_drafter_walks_as_decoding_does(pair, tmp_pat
     loaded = load_drafter(export_zlab(trained.config, trained.state, tmp_path / "export", jnp.float32), target.config,
                           cond_head=True)
     assert loaded.config.cond_head_rank == 16 and loaded.config.cond_head_recurrent == recurrent
-    engine = Engine(target, drafter=loaded, stop_ids=[-1])
+    engine = Engine(target, drafter=loaded, stop_ids=[-1], cond_candidates=0)  # the walk conditions every column
     plain = Engine(target, drafter=drafter, stop_ids=[-1])
     assert engine.generate(prompts[:4], max_new_tokens=20, mode="dflash").tokens == \
         Engine(target, stop_ids=[-1]).generate(prompts[:4], max_new_tokens=20).tokens
