@@ -98,7 +98,8 @@ def add_sampling_flags(parser, *, temperature_help: str = "", seed_help: str = "
 
 
 def add_cond_head_flags(parser) -> None:
-    """--cond-head on|off and --cond-depths: how a drafter's conditioned head (`cond_head.json`) drafts."""
+    """--cond-head on|off, --cond-depths and --cond-candidates: how a drafter's conditioned head
+    (`cond_head.json`) drafts."""
     parser.add_argument("--cond-head", default="auto", choices=["auto", "on", "off"], help="use the drafter's "
                         "parent-conditioned head when one ships beside it (cond_head.json: each slot drafted given "
                         "the drafted token before it). auto (default): on, except on CPU, where it costs more than "
@@ -107,7 +108,8 @@ def add_cond_head_flags(parser) -> None:
                         "the head (auto: none on CPU, where it costs more than it adds; 4 elsewhere; 0: none)")
     parser.add_argument("--cond-candidates", default="auto", type=_cond_candidates_arg, help="the head corrects "
                         "only each slot's N most likely columns under the head-free law (auto: 64 on CPU, where "
-                        "the full correction costs more than it adds; every column elsewhere; 0: every column)")
+                        "the full correction costs more than it adds; every column elsewhere; 0 or a count at or above the "
+                        "vocabulary: every column)")
 
 
 def _cond_candidates_arg(text: str) -> int | None:

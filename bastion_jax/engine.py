@@ -139,6 +139,9 @@ class Engine:
             cond_candidates = default_cond_candidates() if has_head else 0
         if cond_candidates < 0:
             raise GenerationError(f"cond_candidates must be >= 0 (0: the head corrects every column), got {cond_candidates}")
+        if cond_candidates and not has_head:
+            raise GenerationError("cond_candidates restricts a conditioned head; none is loaded (a drafter ships one as "
+                                  "cond_head.json; on CPU --cond-head auto leaves it off: pass --cond-head on)")
         self.cond_candidates = cond_candidates
         self.lookup = lookup
         self.datastore = resolve_datastore(datastore, target, drafter, lookup)

@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(target)
         engine = Engine(target, tokenizer, drafter=drafter, buckets=buckets, lookup=None,
                         draft_vocab=resolve_draft_vocab(target, drafter, "auto"))
-        model = calibration_model(target, drafter, engine.draft_vocab, lookup=False)
+        model = calibration_model(target, drafter, engine.draft_vocab, lookup=False, cond_depths=engine.cond_depths,
+                                  cond_candidates=engine.cond_candidates)
         load_or_calibrate(engine, model, 1024, SamplingConfig(), args.no_calibrate, log, refresh=args.recalibrate)
         trees = tree_pass(engine)
         sets = {Path(resolve_prompt_file(s)).name.split(".")[0]: read_prompts(resolve_prompt_file(s), args.max_prompts)

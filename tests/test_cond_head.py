@@ -110,28 +110,32 @@ def test_spine_logits_match_brute_force(pair, reduced, recurrent):
                            atol=1e-6) != recurrent
 
 
-@pytest.mark.parametrize("recurrent", [False, True])
-def test_candidate_laws_match_brute_force(pair, recurrent):
+@pytest.mark.parametrize("recurrent,reduced,m", [(False, False, 5), (True, True, 5), (True, False, 2)])
+def test_candidate_laws_match_brute_force(pair, recurrent, reduced, m):
     """With candidates, each slot's M best head-free columns carry the head's conditioned logits and
-    every other column its head-free one: the spine drafts the argmax among the candidates, and a
-    tree parent's law is the candidates' log-probs under that mixed row (its normaliser counting
-    the other columns' head-free mass), all as the head run slot by slot on the full hidden state."""
+    every other column its head-free one: the spine drafts the argmax of that mixed row (a candidate,
+    or the best other column where it beats them all), and a tree parent's law is the candidates'
+    log-probs under the mixed row (its normaliser counting the other columns' head-free mass), all
+    as the head run slot by slot on the full hidden state."""
     loaded, drafter = pair
     grown = with_head(drafter, 6, seed=4, scale=3.0, recurrent=recurrent)
     head = nnx.merge(grown.graphdef, grown.state).cond_head
     target = nnx.merge(loaded.graphdef, loaded.state)
-    b, depth, h, m = 2, BLOCK - 1, target.config.hidden_size, 5
+    b, depth, h = 2, BLOCK - 1, target.config.hidden_size
     hidden = jax.random.normal(jax.random.key(1), (b, depth, h))
     root = jnp.array([3, 17])
-    lm = (lambda x: head_logits(target, x))
+    vocab = DraftVocab.from_ranking(loaded, np.random.default_rng(0).permutation(target.config.vocab_size), 40) \
+        if reduced else None
+    ids = np.asarray(vocab.ids) if reduced else np.arange(target.config.vocab_size)
+    lm = (lambda x: head_logits(target, x, vocab))
     base = lm(hidden)
     embed = target.embed_tokens.weight[...]
     law = head_law(head, hidden, base, embed, head_table(head, lm), candidates=m)
     assert head_law(head, hidden, base, embed, head_table(head, lm), candidates=base.shape[-1]).cols is None
-    got = np.asarray(spine_logits(law, root, None))
+    got = np.asarray(spine_logits(law, root, vocab.ids if reduced else None))
     emb = np.asarray(loaded.state["embed_tokens"]["weight"][...])
     base_np = np.asarray(base)
-    changed = False
+    changed, outside = False, 0
     for r in range(b):
         prev, u = int(root[r]), None
         for k in range(depth):
@@ -142,16 +146,18 @@ def test_candidate_laws_match_brute_force(pair, recurrent):
             want[cols] = np.asarray(lm(z[None]))[0][cols]
             np.testing.assert_allclose(got[r, k], want, rtol=1e-4, atol=1e-4)
             changed |= int(np.argmax(want)) != int(np.argmax(base_np[r, k]))
-            prev = int(cols[np.argmax(want[cols])])
+            outside += int(np.argmax(want)) not in cols
+            prev = int(ids[np.argmax(want)])  # the next slot is conditioned on the row's own argmax
     assert changed  # (the head re-ranks the candidates here)
+    assert outside > 0 or m > 2  # on 2 candidates the best other column wins some slots: that path runs
     # A tree parent's law over the candidates of slot k.
     parents = jnp.array([0, 7, 40])
     states = jax.random.normal(jax.random.key(5), (3, 6))
     row = law._replace(a=law.a[1], base=law.base[1], cols=law.cols[1], table_c=law.table_c[1], base_c=law.base_c[1],
-                       tail=law.tail[1])
+                       tail=law.tail[1], out=law.out[1], out_col=law.out_col[1])
     for k in range(depth):
         lp, cols, _ = child_log_probs(row, k, parents, states)  # [3, m], [m]
-        assert lp.shape == (3, m)
+        assert lp.shape == (3, m) and np.all(np.isfinite(np.asarray(lp)))
         np.testing.assert_array_equal(np.asarray(cols), np.asarray(law.cols[1, k]))
         for i, p in enumerate(np.asarray(parents)):
             z, _ = head(hidden[1, k], jnp.asarray(emb[p]), states[i])
@@ -201,8 +207,9 @@ def test_cond_depths_are_checked(pair):
         Engine(target, drafter=with_head(drafter, 4, seed=0), stop_ids=[-1], cond_depths=4)
     with pytest.raises(Exception, match=r"cond_candidates must be >= 0"):
         Engine(target, drafter=with_head(drafter, 4, seed=0), stop_ids=[-1], cond_candidates=-1)
-    # without a head there is nothing to restrict: the setting is dropped from the steps' config
-    assert Engine(target, drafter=drafter, stop_ids=[-1], cond_candidates=8).executables.config().cond_candidates == 0
+    with pytest.raises(Exception, match="cond_candidates restricts a conditioned head; none is loaded"):
+        Engine(target, drafter=drafter, stop_ids=[-1], cond_candidates=8)
+    assert Engine(target, drafter=drafter, stop_ids=[-1]).cond_candidates == 0  # auto without a head: nothing to restrict
 
 
 def test_head_files_round_trip_and_refusals(pair, tmp_path, capsys):

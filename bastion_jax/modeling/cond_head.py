@@ -92,8 +92,11 @@ class HeadLaw(NamedTuple):
     correction is a [N, rank] product per slot in the spine and per kept parent in a tree's depths
     (63 x 8,192 x 256 per depth at SmolLM2), which on a 2-core CPU costs more than the head's
     acceptance buys; the candidates' is [M, rank]. Drafting needs good laws, not exact ones
-    (verification keeps the output exact), and a head that re-ranks reaches beyond a slot's M best
-    head-free columns only rarely (`benchmarks/results/cpu-smollm2-head-candidates.md`)."""
+    (verification keeps the output exact). The other columns' own corrections are taken as zero, so
+    a head that moves every column alike skews the candidates' share of the mass; on the evaluation
+    sets the shipped head on 64 of 8,192 columns keeps its whole acceptance gain
+    (`benchmarks/results/cpu-smollm2-head-candidates.md`). The spine drafts a candidate unless the
+    best other column's head-free logit (`out`) beats every conditioned candidate."""
 
     a: jax.Array  # [b, D, rank] fc1's hidden columns times each slot's hidden state, + bias
     base: jax.Array  # [b, D, N] float32 logits without the head (H h)
@@ -105,10 +108,12 @@ class HeadLaw(NamedTuple):
     table_c: jax.Array | None = None  # [b, D, M, rank] their rows of `table`
     base_c: jax.Array | None = None  # [b, D, M] float32 their head-free logits
     tail: jax.Array | None = None  # [b, D] float32 logsumexp of the other columns' head-free logits
+    out: jax.Array | None = None  # [b, D] float32 the best other column's head-free logit
+    out_col: jax.Array | None = None  # [b, D] int32 its column
 
 
 # The axes a vmap over rows maps: `a`, `base` and the candidate fields per row, the rest shared.
-LAW_ROW_AXES = HeadLaw(0, 0, None, None, None, None, 0, 0, 0, 0)
+LAW_ROW_AXES = HeadLaw(0, 0, None, None, None, None, 0, 0, 0, 0, 0, 0)
 
 
 def head_law(head: CondHead, hidden: jax.Array, base: jax.Array, embed: jax.Array, table: jax.Array,
@@ -124,11 +129,12 @@ def head_law(head: CondHead, hidden: jax.Array, base: jax.Array, embed: jax.Arra
     if not 0 < candidates < base.shape[-1]:
         return law
     # The barrier keeps XLA:CPU from turning top-k into a full sort (as in `tree.build_tree`).
-    base_c, cols = jax.lax.optimization_barrier(jax.lax.top_k(base, candidates))  # [b, D, M]
-    lse_all = jax.nn.logsumexp(base, axis=-1)  # [b, D]
-    share = jnp.exp(jnp.minimum(jax.nn.logsumexp(base_c, axis=-1) - lse_all, 0.0))  # the candidates' mass
-    tail = lse_all + jnp.log1p(-share)  # [b, D]; -inf when the candidates hold it all
-    return law._replace(cols=cols.astype(jnp.int32), table_c=jnp.take(table, cols, axis=0), base_c=base_c, tail=tail)
+    top, top_cols = jax.lax.optimization_barrier(jax.lax.top_k(base, candidates + 1))  # [b, D, M + 1]
+    base_c, cols = top[..., :candidates], top_cols[..., :candidates].astype(jnp.int32)  # [b, D, M]
+    rows, slots = jnp.arange(base.shape[0])[:, None, None], jnp.arange(base.shape[1])[None, :, None]
+    tail = jax.nn.logsumexp(base.at[rows, slots, cols].set(-jnp.inf), axis=-1)  # [b, D] (-inf: no other mass)
+    return law._replace(cols=cols, table_c=jnp.take(table, cols, axis=0), base_c=base_c, tail=tail,
+                        out=top[..., candidates], out_col=top_cols[..., candidates].astype(jnp.int32))
 
 
 def head_state(law: HeadLaw, slot: jax.Array, prev: jax.Array, state: jax.Array) -> jax.Array:
@@ -178,8 +184,8 @@ def child_log_probs(law: HeadLaw, slot: jax.Array, parents: jax.Array, states: j
     logits, cols, u = candidate_logits(law, slot, parents, states)
     if cols is None:
         return jax.nn.log_softmax(logits, axis=-1), None, u
-    norm = jnp.logaddexp(jax.nn.logsumexp(logits, axis=-1), law.tail[slot])  # [m]
-    return logits - norm[:, None], cols, u
+    norm = jnp.logaddexp(jax.nn.logsumexp(logits, axis=-1), law.tail[slot])  # [...]
+    return logits - norm[..., None], cols, u
 
 
 def spine_logits(law: HeadLaw, root: jax.Array, ids: jax.Array | None) -> jax.Array:
@@ -187,7 +193,9 @@ def spine_logits(law: HeadLaw, root: jax.Array, ids: jax.Array | None) -> jax.Ar
     the root [b] (target ids), slot k given slot k-1's argmax under its own conditioned law (the spine
     a greedy chain drafts); `ids` [N] maps columns to target ids (a reduced draft vocabulary; None:
     the column is the id). With candidates, only each slot's candidates are conditioned and the
-    spine's argmax is taken among them; the other columns keep their head-free logits."""
+    other columns keep their head-free logits; the spine's next token is the argmax of that whole
+    row (a candidate, or the best other column when its head-free logit beats them all), so a
+    chain drafted from these rows is the one each slot was conditioned on."""
     rows = law.a.shape[0]
 
     def slot(carry: tuple[jax.Array, jax.Array], k: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
@@ -196,7 +204,9 @@ def spine_logits(law: HeadLaw, root: jax.Array, ids: jax.Array | None) -> jax.Ar
                                    out_axes=(0, 0 if law.cols is not None else None, 0))(law, k, prev, state)
         best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b] column (of the candidates: [b, M] -> [b])
         if cols is not None:
-            best = jnp.take_along_axis(cols, best[:, None], axis=1)[:, 0]
+            best_c = jnp.take_along_axis(cols, best[:, None], axis=1)[:, 0]
+            beaten = law.out[:, k] > jnp.max(logits, axis=-1)  # the best other column's logit wins the row
+            best = jnp.where(beaten, law.out_col[:, k], best_c)
         return ((best if ids is None else ids[best]), u), logits  # [b], [b, C]
 
     state0 = jnp.zeros(law.a.shape[:1] + law.a.shape[2:], law.a.dtype)  # [b, rank]
@@ -220,6 +230,7 @@ def default_cond_depths() -> int:
 
 def default_cond_candidates() -> int:
     """Columns per slot the conditioned head corrects by default (`HeadLaw`; `Engine(cond_candidates=
-    None)`): on CPU 256 of the draft vocabulary, where the full correction's products cost more than
-    the head's acceptance buys; elsewhere every column (0)."""
+    None)`): on CPU 64, where the full correction's products cost more than the head's acceptance
+    buys; elsewhere every column (0). A count at or above a path's vocabulary (the chain drafts over
+    the full one, trees over the draft vocabulary) corrects every column there."""
     return 64 if jax.default_backend() == "cpu" else 0
