@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bastion_jax.cli import add_cond_head_flags, add_lookup_flag, resolve_cond_head, resolve_lookup
+from bastion_jax.cli import add_cond_head_flags, add_lookup_flag, head_setting_words, resolve_cond_head, resolve_lookup
 
 
 def add_eval_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -88,15 +88,13 @@ def run_eval(args, target, log) -> None:
                 "draft_vocab": args.draft_vocab, "lookup": args.lookup, "datastore": args.datastore,
                 "batch_size": args.batch_size, "cond_head_rank": drafter.config.cond_head_rank,
                 "cond_head_recurrent": drafter.config.cond_head_recurrent, "cond_depths": engine.cond_depths,
-                "cond_candidates": engine.executables.config().cond_candidates,
+                "cond_candidates": engine.cond_candidates,
                 "prompts": {n: len(p) for n, p in sets.items()}}
         training = Path(drafter_dir) / "training.json"
         if training.is_file():
             meta["drafter_training"] = json.loads(training.read_text())
         setting = (f"first {args.max_prompts} prompts per set, batches of {args.batch_size}, context lookup "
                    f"{args.lookup} (datastore {args.datastore}) (tree modes)"
-                   + (f", {drafter.config.head_words} (per-parent depths {engine.cond_depths}"
-                      + (f", {meta['cond_candidates']} candidates per slot" if meta["cond_candidates"] else "") + ")"
-                      if meta["cond_head_rank"] else ""))
+                   + (f", {head_setting_words(engine)}" if meta["cond_head_rank"] else ""))
         for path in write_report(args.out, report, lines, meta, setting):
             log(f"wrote {path}")

@@ -112,23 +112,32 @@ def add_cond_head_flags(parser) -> None:
                         "vocabulary: every column)")
 
 
-def _cond_candidates_arg(text: str) -> int | None:
-    """--cond-candidates as the engine takes it: None (auto) or a column count (0: all)."""
-    if text == "auto":
-        return None
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be auto or a number of columns (0: all of them), got {text!r}")
-    return int(text)
+def _auto_count(what: str):
+    """An argparse type for a count the engine defaults when None: "auto" -> None, a whole number -> int,
+    else refused while parsing (`what` names the count), so a bad value is refused before any model loads."""
+
+    def parse(text: str) -> int | None:
+        if text == "auto":
+            return None
+        if not text.isdigit():
+            raise argparse.ArgumentTypeError(f"must be auto or a number of {what}, got {text!r}")
+        return int(text)
+
+    return parse
 
 
-def _cond_depths_arg(text: str) -> int | None:
-    """--cond-depths as the engine takes it: None (auto: the engine's default) or a depth count; checked
-    while parsing, so a bad value is refused before any model loads."""
-    if text == "auto":
-        return None
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be auto or a number of depths (0, 2, 3, ...), got {text!r}")
-    return int(text)
+_cond_depths_arg = _auto_count("depths (0, 2, 3, ...)")
+_cond_candidates_arg = _auto_count("columns (0: all of them)")
+
+
+def head_setting_words(engine) -> str:
+    """How an engine drafts through its drafter's conditioned head, for reports ("" without one):
+    the head, its per-parent depths and, when restricted, its candidates per slot."""
+    config = engine.drafter.config if engine.drafter is not None else None
+    if config is None or not config.cond_head_rank:
+        return ""
+    candidates = f", {engine.cond_candidates} candidates per slot" if engine.cond_candidates else ""
+    return f"{config.head_words} (per-parent depths {engine.cond_depths}{candidates})"
 
 
 def resolve_cond_head(flag: str) -> bool | None:

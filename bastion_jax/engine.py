@@ -131,17 +131,17 @@ class Engine:
             cond_depths = default_cond_depths() if has_head else 0
         if not 0 <= cond_depths < max(block_size or 0, 1):
             raise GenerationError(f"cond_depths must be in [0, block size - 1 = {(block_size or 1) - 1}], got {cond_depths}")
+        no_head = ("none is loaded (a drafter ships one as cond_head.json; on CPU --cond-head auto leaves it off: "
+                   "pass --cond-head on)")
         if cond_depths >= 2 and not has_head:
-            raise GenerationError("cond_depths draws tree children from a conditioned head; none is loaded (a drafter "
-                                  "ships one as cond_head.json; on CPU --cond-head auto leaves it off: pass --cond-head on)")
+            raise GenerationError(f"cond_depths draws tree children from a conditioned head; {no_head}")
         self.cond_depths = cond_depths
         if cond_candidates is None:
             cond_candidates = default_cond_candidates() if has_head else 0
         if cond_candidates < 0:
             raise GenerationError(f"cond_candidates must be >= 0 (0: the head corrects every column), got {cond_candidates}")
         if cond_candidates and not has_head:
-            raise GenerationError("cond_candidates restricts a conditioned head; none is loaded (a drafter ships one as "
-                                  "cond_head.json; on CPU --cond-head auto leaves it off: pass --cond-head on)")
+            raise GenerationError(f"cond_candidates restricts a conditioned head; {no_head}")
         self.cond_candidates = cond_candidates
         self.lookup = lookup
         self.datastore = resolve_datastore(datastore, target, drafter, lookup)

@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, add_sampling_flags,
+from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, add_sampling_flags, head_setting_words,
                              resolve_cond_head, use_compilation_cache)
 from bastion_jax.acceptance import STANDARD_SETS, PromptError, read_prompts, resolve_prompt_file
 from benchmarks.report import commit, markdown_table, per_set, plot, write_csv
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             "cond_head_rank": drafter.config.cond_head_rank if drafter is not None else 0,
             "cond_head_recurrent": drafter is not None and drafter.config.cond_head_recurrent,
             "cond_depths": engine.cond_depths,
-            "cond_candidates": engine.executables.config(sampling).cond_candidates}
+            "cond_candidates": engine.cond_candidates}
     training = Path(args.drafter) / "training.json"
     if training.is_file():  # how the drafter was trained travels with its numbers
         meta["drafter_training"] = json.loads(training.read_text())
@@ -230,8 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# {args.name}", "", f"{meta['device']}, {meta['date']}, {meta['dtype']}, drafter {args.drafter}, "
              f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, {sampling_words(sampling)}, "
              f"context lookup {args.lookup}"
-             + (f", {drafter.config.head_words} (per-parent depths {meta['cond_depths']}"
-                + (f", {meta['cond_candidates']} candidates per slot" if meta["cond_candidates"] else "") + ")"
+             + (f", {head_setting_words(engine)}"
                 if meta["cond_head_rank"] else (", conditioned head off" if args.cond_head == "off" else ""))
              + (f", batches of {args.batch} prompts" if args.batch > 1 else "")
              + (f", median-time run of {args.reps} per mode and prompt" if args.reps > 1 else ""), "",

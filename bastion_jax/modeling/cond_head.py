@@ -158,17 +158,6 @@ def candidate_logits(law: HeadLaw, slot: jax.Array, prev: jax.Array, state: jax.
     return law.base_c[slot] + project("...r,mr->...m", u, law.table_c[slot], jnp.float32), law.cols[slot], u
 
 
-def conditioned_logits(law: HeadLaw, slot: jax.Array, prev: jax.Array, state: jax.Array
-                       ) -> tuple[jax.Array, jax.Array]:
-    """(logits [..., N], u [..., rank]) of slot `slot` given `prev` and the previous slot's state, for
-    one row's law (`base` [D, N]); with candidates, the other columns keep their head-free logits."""
-    logits, cols, u = candidate_logits(law, slot, prev, state)
-    if cols is None:
-        return logits, u
-    full = jnp.broadcast_to(law.base[slot], logits.shape[:-1] + law.base.shape[-1:])
-    return full.at[..., cols].set(logits), u
-
-
 def root_state(law: HeadLaw, root: jax.Array) -> jax.Array:
     """Slot 1's state [rank] given the root (one row's law): what a tree's root hands its children."""
     return head_state(law, 0, root, jnp.zeros(law.a.shape[-1:], law.a.dtype))
