@@ -426,6 +426,17 @@ def test_cli_data_then_train(tmp_path, capsys):
                  "--anchors", "4", "--held-out", "2", "--eval-every", "2", "--export-dtype", "float32"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "run4" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "val"] == [0, 2]
+    marginal = lambda run: json.loads((tmp_path / run / "drafter" / "training.json").read_text())[  # noqa: E731
+        "train_config"]["marginal"]
+    assert marginal("run4") == 0.0  # no head: nothing to weigh beside it
+    # A head trained with its drafter keeps the drafter's own law trained too unless told otherwise.
+    head = ["--init", str(tmp_path / "run" / "drafter"), "--cond-head", "8", "--steps", "1", "--batch-size", "2",
+            "--seq-len", "16", "--anchors", "4", "--held-out", "2", "--walk-rows", "0", "--export-dtype", "float32"]
+    assert main(["train", *common, "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run6"), *head]) == 0
+    assert marginal("run6") == 1.0
+    assert main(["train", *common, "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run7"), *head,
+                 "--marginal", "0"]) == 0
+    assert marginal("run7") == 0.0
     # A flag that shapes a new drafter is refused with --init (which keeps its own), not ignored.
     assert main(["train", *common, "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run5"),
                  "--init", str(tmp_path / "run" / "drafter"), "--intermediate-size", "32"]) != 0

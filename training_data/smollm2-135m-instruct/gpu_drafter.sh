@@ -154,7 +154,7 @@ for f in "$here"/greedy.npz "$here"/t07.npz "$here"/t07s*.npz "$here"/g[0-9]*.np
   [ -f "$W/ret/$(basename "$f")" ] || sets+=("$f")  # a set continued here comes back whole in ret/
 done
 common=(--target "$TARGET" --data "${sets[@]}" "${new[@]}" --block-size 16
-        --seq-len 384 --anchors 64 --batch-size "$TBS" --distill 0.5 --held-out 128 --eval-every 200 --save-every 1000
+        --seq-len 384 --anchors 64 --batch-size "$TBS" --distill 0.5 --marginal 1.0 --held-out 128 --eval-every 200 --save-every 1000
         --steps "$STEPS" --no-feature-cache)
 # One trainer (the GPU time-slices between processes): the shipped drafter continued; with DEEP=1 a
 # 4-layer drafter trains beside it, grown from the shipped one (`--init ... --layers 4`: two copies of
