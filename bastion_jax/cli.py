@@ -102,10 +102,10 @@ def add_cond_head_flags(parser) -> None:
     (`cond_head.json`) drafts."""
     parser.add_argument("--cond-head", default="auto", choices=["auto", "on", "off"], help="use the drafter's "
                         "parent-conditioned head when one ships beside it (cond_head.json: each slot drafted given "
-                        "the drafted token before it). auto (default): on, except on CPU, where it costs more than "
-                        "it adds; off drafts with the plain DFlash drafter")
+                        "the drafted token before it). auto (default) and on: use it; off drafts with the plain "
+                        "DFlash drafter")
     parser.add_argument("--cond-depths", default="auto", type=_cond_depths_arg, help="tree depths 2..N take each parent's own law from "
-                        "the head (auto: none on CPU, where it costs more than it adds; 4 elsewhere; 0: none)")
+                        "the head (auto: 4; 0: none, the spine's laws at every depth)")
     parser.add_argument("--cond-candidates", default="auto", type=_cond_candidates_arg, help="the head corrects "
                         "only each slot's N most likely columns under the head-free law (auto: 64 on CPU, where "
                         "the full correction costs more than it adds; every column elsewhere; 0 or a count at or above the "

@@ -128,11 +128,10 @@ class Engine:
         self.draft_vocab = draft_vocab
         has_head = drafter is not None and drafter.config.cond_head_rank > 0
         if cond_depths is None:
-            cond_depths = default_cond_depths() if has_head else 0
+            cond_depths = min(default_cond_depths(), block_size - 1) if has_head else 0  # a block of < 5 has fewer depths
         if not 0 <= cond_depths < max(block_size or 0, 1):
             raise GenerationError(f"cond_depths must be in [0, block size - 1 = {(block_size or 1) - 1}], got {cond_depths}")
-        no_head = ("none is loaded (a drafter ships one as cond_head.json; on CPU --cond-head auto leaves it off: "
-                   "pass --cond-head on)")
+        no_head = "none is loaded (a drafter ships one as cond_head.json, loaded unless --cond-head off)"
         if cond_depths >= 2 and not has_head:
             raise GenerationError(f"cond_depths draws tree children from a conditioned head; {no_head}")
         self.cond_depths = cond_depths

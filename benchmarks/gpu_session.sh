@@ -13,42 +13,33 @@
 #   bash benchmarks/gpu_session.sh probe    # compile times of the steps under XLA flag variants (compile_probe)
 #   bash benchmarks/gpu_session.sh arbatch  # SmolLM2 AR decode at batch 128: the step alone vs the engine
 #
-# A 15-minute lease (four so far: an H200, then three H100s; a start took ~35-60 s). The fourth
+# A 15-minute lease (five so far: an H200, three H100s, an H200; a start took ~35-60 s). The fourth
 # (2026-11-27, `benchmarks/results/h100-2026-11-27-lease.md`) brought the first 8B-shaped ratios
 # (verify_probe: verify(256)/AR 1.36, verify(64)/AR 1.11-1.17) and found the scanned AR step at 0.30
 # of its HBM floor because XLA copies every layer's weights out of the stack; layers are unrolled by
 # default since. tree_prefill at 8B shapes has still never been compiled on a GPU.
 #
-# Order (2026-11-28): most of the lease to the drafter. A lease is 900 s, a start ~35-60 s of it, and verify + perf +
-# drafter as once planned (420 + 360 + the rest) left the drafter nothing, while acceptance is what the
-# project's speed rests on (issue 13 asks for its training first; 174 s of it gave drafter v12, and its
-# held-out tau was still rising). So, after running `training_data/smollm2-135m-instruct/device_pieces.sh`
-# here (three pieces), back to back:
-#   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && timeout 200 bash benchmarks/gpu_session.sh
-#      verify` (timeout_s ~230): AR vs HBM floor and verify(b)/AR with unrolled layers (the default; never
-#      timed on a GPU: if building the random 8B weights eats the 200 s, that is the finding), with the
-#      [layers, b, kv_heads, slots, d] cache the Pallas kernel now reads (earlier leases had slot-major);
-#      the 200 s cover the step's scanned part too, which will rarely get to run;
+# Order (2026-12-04, after the fifth lease, `benchmarks/results/h200-2026-12-04-lease.md`): the unrolled
+# verify probe is done (AR 0.57 of the HBM floor on an H200), and 553 s of drafter training gave v17
+# (+9% tau on every evaluation set, 8,117 steps: a GPU's steps are what moves this drafter, the curve was
+# still rising). tree_prefill at 8B shapes has still never been compiled on a GPU. So, after running
+# `training_data/smollm2-135m-instruct/device_pieces.sh` here (three pieces), back to back:
+#   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && BUCKETS=1,16,64,256 CONTEXTS=2048
+#      timeout 250 bash benchmarks/gpu_session.sh perf` (timeout_s ~280): perf_8b's whole step at 8B
+#      shapes, tree steps and the bastion loop included, on a reduced grid (the full grid took ~330-360 s);
 #   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash` (seconds);
-#   3. carry the last piece: `TAPS=5 bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS` with DATA_S=0
-#      (the batch-128 data job has never finished a batch inside a lease; TAPS=5: the drafter reads five
-#      target layers instead of three, which on CPU lowered the held-out loss where nothing else did, but
-#      not past step ~750 of ~1300 and never into tree tau: optional, a GPU's thousands of steps may differ), SECONDS = min(560, status's
-#      budget_left_s - 40), timeout_s = SECONDS + 20. Its validation walks 32 held-out rows as greedy
-#      decoding does and picks best/ by that tau (`walk_tau` in ret/*-best.json; the run validates its
-#      --init first as step 0, so step 0 there means nothing beat it); ret/<run>-final is the last step.
-#      That walk is one kind of chat (c9's): v13 read 1.801 there against v12's 1.830 and still gained
-#      on seven prompt sets. Ship whichever of best/ and final beats the shipped drafter on
-#      `benchmarks.gate_headroom --no-calibrate` over the five sets and the EAGLE alpaca / QA sets
-#      (`benchmarks/results/cpu-smollm2-drafter-v13-ab.md`: ~2.5 min per drafter on CPU). The shipped drafter
-#      carries a conditioned head (cond_head.json, rank 256 since 2026-12-03): a run from it (--init) trains the head with the
-#      drafter, and its exports carry both; ship an export whole, never a model.safetensors without its head
-#      (cond_head.json records the drafter's fingerprint: beside another drafter the head is refused at load,
-#      and only --cond-head off drafts). The arithmetic: 900 - start (35-60) - step 1 (~230) - step 2 (~10) leaves ~600-625 s, and step 3
-#      takes all but the ~20-40 s its output needs to come back. Keep the calls back to back: a gap over
-#      30 s releases the machine, and the stashed pieces go with it;
-#   4. `perf` (the whole profile at 8B shapes, tree steps and the real bastion loop included, ~330-360 s)
-#      does not fit beside the drafter: it is the next lease's, or this one's if the drafter job cannot run.
+#   3. carry the last piece: `DATA_S=0 bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS`,
+#      SECONDS = min(560, status's budget_left_s - 40), timeout_s = SECONDS + 25. It continues the shipped
+#      pair (v17: drafter + recurrent rank-256 head) with `--marginal 1.0` (v17's run lacked it and its
+#      head-free law fell 10%), 6,000 steps of batch 32 at lr 3e-4 (~410 s on an H200). Its validation walks
+#      32 held-out rows with the head and without it (`walk_tau`, `walk_tau_own` in ret/*-metrics.jsonl);
+#      ret/v9a is best/ by the head's walk, ret/v9a-final the last step. The tar comes back in 15 MB pieces
+#      ($OUT allows 16 MB a file: never tar a drafter whole into $OUT);
+#   4. with time left (the machine stays warm 30 s): continue the last step at lr 1e-4 for what remains, as
+#      the 2026-12-04 lease's second run did (the command is in that results file), its best/ split in pieces.
+# Then measure the exports here with `train_drafter eval` (head on and off) and end to end
+# (`cpu-smollm2-drafter-v17-ab.md` says how) before shipping one whole (drafter and head together:
+# cond_head.json records the drafter's fingerprint, and beside another drafter the head is refused).
 #
 # Nothing is installed: the machine's image has JAX (CUDA), Flax, Optax, Orbax, safetensors and
 # tokenizers, and random-weight runs need nothing else (gguf is imported only to read a GGUF). The
@@ -85,7 +76,7 @@ case "$step" in
     mode=pallas
     [ "$step" = perf-xla ] && mode=xla
     python3 -m benchmarks.perf_8b --prefix-attention "$mode" --layers-layout "${LAYOUT:-auto}" \
-      --buckets 1,16,32,64,128,256 --contexts 1024,2048 \
+      --buckets "${BUCKETS:-1,16,32,64,128,256}" --contexts "${CONTEXTS:-1024,2048}" \
       --name "perf-qwen3-8b-$mode" --out-dir "$OUT" --compilation-cache /tmp/jax-cache 2>&1 | tee "$OUT/perf-$mode.log"
     ;;
   probe)

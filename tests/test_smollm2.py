@@ -73,7 +73,7 @@ def test_cli_default_is_bastion_with_the_shipped_drafter(capsys):
 
 
 def test_the_shipped_conditioned_head_drafts_losslessly(capsys):
-    """The shipped drafter's conditioned head (off by default on CPU) asked for: it loads against the
+    """The shipped drafter's conditioned head (on by default since drafter v17) asked for: it loads against the
     drafter's fingerprint, chain and per-parent trees draft through it, text identical to AR."""
     import re
 

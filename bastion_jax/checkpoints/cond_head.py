@@ -39,16 +39,15 @@ def drafter_fingerprint(params: dict[str, Any]) -> str:
 
 
 def default_cond_head() -> bool:
-    """Whether a drafter's conditioned head drafts unless told otherwise: not on CPU, where its
-    sequential spine (15 small products per drafting call) cost more than its acceptance bought in a
-    CPU A/B (SmolLM2, 24 prompts: bastion 1.27x AR without the head, 1.23x with it; fixed:4 tau 1.94
-    -> 1.96, `benchmarks/results/cpu-smollm2-cond-head.md`); elsewhere yes, where those products are
-    a few small kernels beside the target's verify and tau rises 8-10% (the shipped recurrent rank-256 head).
-    Still off on CPU with the head on 64 candidates per slot (its extra draft time ~10 -> ~2 ms):
-    bastion 1.24x AR with it, 1.27x twice without (`benchmarks/results/cpu-smollm2-head-candidates.md`)."""
-    import jax
-
-    return jax.default_backend() != "cpu"
+    """Whether a drafter's conditioned head drafts unless told otherwise: yes, on every backend. Off an
+    accelerator its sequential spine cost more than it bought while the drafter's own law was trained
+    to stand alone (v16: bastion 1.27x AR without the head, 1.24x with it on 64 candidates per slot,
+    `benchmarks/results/cpu-smollm2-head-candidates.md`); drafter v17 was trained as a pair with the
+    head's loss alone, its head-free law fell behind (chain tau 1.53 against 1.70 for v16) and with the
+    head it reads 2.04, so on CPU too the head pays: bastion 1.31x AR against v16's 1.28x without it
+    in one session (`benchmarks/results/cpu-smollm2-drafter-v17-ab.md`). Kept as a function: the
+    place to decide it per backend again if a drafter ever says otherwise."""
+    return True
 
 
 def has_head(path: str | Path) -> bool:

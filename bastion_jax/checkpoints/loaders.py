@@ -250,7 +250,7 @@ def load_drafter(path: str | Path, target: TargetConfig, dtype: jnp.dtype | None
     both run inside the same steps (the trainer asks for unrolled layers); its products' form
     follows `target.feature_major` likewise. `cond_head`: load the conditioned head shipped beside
     the checkpoint, if any (`checkpoints/cond_head.py`); False drafts with the plain drafter; None:
-    `default_cond_head()` (not on CPU)."""
+    `default_cond_head()` (on)."""
     from bastion_jax.checkpoints import ConversionError
     from bastion_jax.checkpoints.dflash import load_zlab_params
 

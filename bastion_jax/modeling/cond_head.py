@@ -28,8 +28,9 @@ rank-sized u_k, one slot after another (`rec` adds a [rank, rank] product per sl
 accelerator; on a 2-core CPU those 15 sequential products (and a tree's per-parent ones) cost more
 than the CPU's small trees gain. With candidates (`HeadLaw`, `Engine(cond_candidates=...)`, 64 by
 default on CPU) the head corrects only each slot's best head-free columns, which cuts its extra
-draft time there from ~10 to ~2 ms with depths 2-4, yet still not enough to pay, so the head stays
-off on CPU by default (`checkpoints.cond_head.default_cond_head`).
+draft time there from ~10 to ~2 ms with depths 2-4; with drafter v17 (trained as one pair with the
+head) that pays on CPU too, and the head drafts by default on every backend
+(`checkpoints.cond_head.default_cond_head`).
 """
 
 from __future__ import annotations
@@ -211,10 +212,11 @@ def spine_logits(law: HeadLaw, root: jax.Array, ids: jax.Array | None) -> jax.Ar
 
 def default_cond_depths() -> int:
     """Tree depths whose children come from each parent's own law when the drafter ships a conditioned
-    head (`tree.build_tree`; `Engine(cond_depths=None)`). On CPU none: the per-parent laws of a 64-node
-    tree cost more there than the acceptance they add (`benchmarks/results/cpu-smollm2-cond-head.md`);
-    elsewhere depths 2-4 (a few small kernels per depth beside the target's verify)."""
-    return 0 if jax.default_backend() == "cpu" else 4
+    head (`tree.build_tree`; `Engine(cond_depths=None)`): 2-4 on every backend. On CPU, with 64
+    candidates per slot and drafter v17, depths 2-4 ran bastion 1.31x AR and the spine alone 1.28x
+    (chat 0.98x: `benchmarks/results/cpu-smollm2-drafter-v17-ab.md`); elsewhere a few small kernels
+    per depth beside the target's verify."""
+    return 4
 
 
 def default_cond_candidates() -> int:
