@@ -203,6 +203,8 @@ def test_cond_depths_are_checked(pair):
     target, drafter = pair
     with pytest.raises(Exception, match="none is loaded .*unless --cond-head off"):
         Engine(target, drafter=drafter, stop_ids=[-1], cond_depths=3)
+    # auto: depths 2-4, capped at the block's last depth (this block has 4 slots: depths 1-3)
+    assert Engine(target, drafter=with_head(drafter, 6, seed=6), stop_ids=[-1]).cond_depths == 3
     with pytest.raises(Exception, match=r"cond_depths must be in \[0, block size - 1 = 3\], got 4"):
         Engine(target, drafter=with_head(drafter, 4, seed=0), stop_ids=[-1], cond_depths=4)
     with pytest.raises(Exception, match=r"cond_candidates must be >= 0"):
