@@ -60,7 +60,8 @@ class StepConfig:
            lookup: Optional[LookupConfig] = None, cond_depths: int = 0, cond_candidates: int = 0) -> "StepConfig":
         """The config for a loaded target (and drafter): block size, mask token and taps come from the
         drafter's config when there is one (`block_size` / `mask_token_id` serve a drafter-less
-        proposal)."""
+        proposal); the head's settings only count with a head."""
+        has_head = drafter is not None and bool(drafter.config.cond_head_rank)
         if drafter is not None:
             block_size, mask_token_id = drafter.config.block_size, drafter.config.mask_token_id
         return cls(target_def=target.graphdef, drafter_def=drafter.graphdef if drafter is not None else None,
@@ -68,5 +69,5 @@ class StepConfig:
                    tap_layers=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
                    proposal=proposal, buckets=tuple(sorted(set(int(b) for b in buckets))), top_k=top_k,
                    lookup=lookup,
-                   cond_depths=cond_depths if drafter is not None and drafter.config.cond_head_rank else 0,
-                   cond_candidates=cond_candidates if drafter is not None and drafter.config.cond_head_rank else 0)
+                   cond_depths=cond_depths if has_head else 0,
+                   cond_candidates=cond_candidates if has_head else 0)

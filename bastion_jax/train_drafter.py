@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "weights stay as --init gave them)")
     t.add_argument("--marginal", type=float, metavar="W", help="with a conditioned head trained together with "
                    "the drafter: add W times the loss of the drafter's own law (without the head), which drafting "
-                   "without the head (the CPU default) and a tree's deeper levels read (default 1.0 when a head "
+                   "without the head (--cond-head off) and a tree's deeper levels read (default 1.0 when a head "
                    "trains with its drafter: at 0 the head-free law decays, chain tau 1.70 -> 1.53 in 8,000 GPU "
                    "steps; 0 when there is no head or it trains alone)")
     t.add_argument("--resume", action="store_true", help="continue OUT's latest checkpoint and refuse to start "
@@ -288,8 +288,8 @@ def run_train(args, target, log) -> None:
     if args.marginal is None and d.cond_head_rank and not args.freeze_drafter:
         # a head trained with its drafter: keep the drafter's own law trained too. On the head's loss
         # alone it drifts (8,000 GPU steps took the evaluation sets' head-free chain tau 1.70 -> 1.53
-        # while the head's rose 1.87 -> 2.04: benchmarks/results/h200-2026-12-04-lease.md), and the CPU
-        # default and the tree's deeper levels draft from it
+        # while the head's rose 1.87 -> 2.04: benchmarks/results/cpu-smollm2-drafter-v17-ab.md), and
+        # --cond-head off and the tree's deeper levels draft from it
         cfg = dataclasses.replace(cfg, marginal=1.0)
     log(f"drafter: {d.num_hidden_layers} layers, taps {list(d.target_layer_ids)}, block {d.block_size}, "
         f"{sum(x.size for x in jax.tree.leaves(drafter.state)) / 1e6:.1f}M params | "

@@ -40,7 +40,7 @@ class Objective:
     miss_weight: float = 1.0
     # For a drafter with a conditioned head trained with it: the weight of the drafter's own law (its
     # hidden states before the head) in the loss, beside the conditioned law's. Drafting without the
-    # head (the CPU default) and a tree's deeper levels read that law, so joint training keeps it.
+    # head (`--cond-head off`) and a tree's deeper levels read that law, so joint training keeps it.
     # The reported loss is then the sum (not comparable with a run without it).
     marginal: float = 0.0
 
