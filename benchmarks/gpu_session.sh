@@ -12,6 +12,8 @@
 #
 #   bash benchmarks/gpu_session.sh probe    # compile times of the steps under XLA flag variants (compile_probe)
 #   bash benchmarks/gpu_session.sh arbatch  # SmolLM2 AR decode at batch 128: the step alone vs the engine
+#   bash benchmarks/gpu_session.sh e2e      # the default pair end to end (ar, dflash, fixed, bastion), after
+#                                           # gpu_drafter.sh converted the target on the same warm machine
 #
 # A 15-minute lease (five so far: an H200, three H100s, an H200; a start took ~35-60 s). The fourth
 # (2026-11-27, `benchmarks/results/h100-2026-11-27-lease.md`) brought the first 8B-shaped ratios
@@ -22,20 +24,28 @@
 # Order (2026-12-04, after the fifth lease, `benchmarks/results/h200-2026-12-04-lease.md`): the unrolled
 # verify probe is done (AR 0.57 of the HBM floor on an H200), and 553 s of drafter training gave v17
 # (+9% tau on every evaluation set, 8,117 steps: a GPU's steps are what moves this drafter, the curve was
-# still rising). tree_prefill at 8B shapes has still never been compiled on a GPU. So, after running
-# `training_data/smollm2-135m-instruct/device_pieces.sh` here (three pieces), back to back:
+# still rising). Never run on a GPU yet: tree_prefill at 8B shapes (perf) and the default pair end to end
+# (e2e). So, after running `training_data/smollm2-135m-instruct/device_pieces.sh` here (three pieces),
+# back to back:
 #   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && BUCKETS=1,16,64,256 CONTEXTS=2048
 #      timeout 250 bash benchmarks/gpu_session.sh perf` (timeout_s ~280): perf_8b's whole step at 8B
 #      shapes, tree steps and the bastion loop included, on a reduced grid (the full grid took ~330-360 s);
 #   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash` (seconds);
 #   3. carry the last piece: `DATA_S=0 bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS`,
-#      SECONDS = min(560, status's budget_left_s - 40), timeout_s = SECONDS + 25. It continues the shipped
+#      SECONDS = min(560, status's budget_left_s - 260), timeout_s = SECONDS + 25. It continues the shipped
 #      pair (v17: drafter + recurrent rank-256 head) with `--marginal 1.0` (v17's run lacked it and its
-#      head-free law fell 10%), 6,000 steps of batch 32 at lr 3e-4 (~410 s on an H200). Its validation walks
+#      head-free law fell 10%) on every committed set (the maths, docstring and passage sets m17, m18, p19
+#      included since 2026-12-04: the fifth lease's run left them out), 6,000 steps of batch 32 at lr
+#      3e-4 (~410 s on an H200; a shorter budget cuts the cosine on wall time). Its validation walks
 #      32 held-out rows with the head and without it (`walk_tau`, `walk_tau_own` in ret/*-metrics.jsonl);
 #      ret/v9a is best/ by the head's walk, ret/v9a-final the last step. The tar comes back in 15 MB pieces
-#      ($OUT allows 16 MB a file: never tar a drafter whole into $OUT);
-#   4. with time left (the machine stays warm 30 s): continue the last step at lr 1e-4 for what remains, as
+#      ($OUT allows 16 MB a file: never tar a drafter whole into $OUT). It leaves the converted target
+#      in runs/gpu-drafter/smollm2-f32 on the warm machine;
+#   4. carry the last piece again, at once: `PROMPTS=3 timeout 200 bash benchmarks/gpu_session.sh e2e`
+#      (timeout_s ~220): the default pair end to end (ar, dflash, fixed:16/64, bastion; 3 prompts of each
+#      evaluation set, 128 new tokens, texts checked against AR). If the machine went back in between,
+#      it converts the target again from the GGUF pieces (stash them first: calls 1-2 again);
+#   5. with time left (the machine stays warm 30 s): continue the last step at lr 1e-4 for what remains, as
 #      the 2026-12-04 lease's second run did (the command is in that results file), its best/ split in pieces.
 # Then measure the exports here with `train_drafter eval` (head on and off) and end to end
 # (`cpu-smollm2-drafter-v17-ab.md` says how) before shipping one whole (drafter and head together:
@@ -50,7 +60,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-benchmarks/results}"
 mkdir -p "$OUT"
-step="${1:?usage: gpu_session.sh check|verify|perf|perf-xla|stash|probe|arbatch}"
+step="${1:?usage: gpu_session.sh check|verify|perf|perf-xla|stash|probe|arbatch|e2e}"
 
 case "$step" in
   check)
@@ -93,8 +103,25 @@ case "$step" in
     JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m benchmarks.ar_batch_probe --batch 128 --cache-len 768 \
       --name ar-batch128-smollm2 --out-dir "$OUT" 2>&1 | tee "$OUT/arbatch.log"
     ;;
+  e2e)
+    # The default pair end to end on this GPU (issue 14: AR, dflash, bastion tokens/s; never measured on a
+    # GPU before): the target gpu_drafter.sh converted in an earlier call of the same warm machine (runs/
+    # survives between calls), the shipped drafter, the evaluation prompts carried in the last piece's
+    # bench/ (device_pieces.sh). ar, dflash, a fixed sweep and bastion, T = 0, texts checked against AR.
+    target="${TARGET:-runs/gpu-drafter/smollm2-f32}"
+    bench=$(ls -d .device/p*/bench 2>/dev/null | tail -n 1)
+    if [ ! -f "$target/config.json" ] && [ -z "${TARGET:-}" ]; then  # not left by a training call: convert it
+      CONVERT_ONLY=1 bash training_data/smollm2-135m-instruct/gpu_drafter.sh 120 >&2 || true
+    fi
+    [ -f "$target/config.json" ] || { echo "error: no converted target at $target (the GGUF pieces: stash them)" >&2; exit 1; }
+    [ -n "$bench" ] || { echo "error: no .device/p*/bench carried (device_pieces.sh lays it out)" >&2; exit 1; }
+    python3 -m benchmarks.run --target "$target" --drafter bastion_jax/assets/smollm2-135m-instruct-dflash \
+      --prompts "$bench"/*.jsonl.gz --max-prompts "${PROMPTS:-4}" --max-new-tokens "${MAXNEW:-128}" --reps 2 \
+      --modes ar,dflash,fixed:16,fixed:64,bastion --buckets 1,4,8,16,32,64 --name "${NAME:-gpu-smollm2-e2e}" \
+      --out-dir "$OUT" 2>&1 | tee "$OUT/e2e.log"
+    ;;
   *)
-    echo "unknown step $step (check, verify, perf, perf-xla, stash, probe, arbatch)" >&2
+    echo "unknown step $step (check, verify, perf, perf-xla, stash, probe, arbatch, e2e)" >&2
     exit 2
     ;;
 esac

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -81,7 +82,11 @@ def markdown_table(sets: dict, modes: list[str]) -> list[str]:
 
 
 def plot(path: Path, sets: dict, modes: list[str], title: str) -> None:
-    import matplotlib
+    try:  # a device image may lack matplotlib: the JSON, CSV and markdown are the results, the plot a view
+        import matplotlib
+    except ImportError:
+        print(f"no plot ({path.name}): matplotlib is not installed", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -245,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     sets = per_set(rows, modes)
     lines += [""] + markdown_table(sets, modes)
     write_csv(out_dir / f"{args.name}.csv", sets, modes)
-    plot(out_dir / f"{args.name}.png", sets, modes, f"{args.name}: {meta['device']}, {meta['date']}, {meta['commit']}")
     (out_dir / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot(out_dir / f"{args.name}.png", sets, modes, f"{args.name}: {meta['device']}, {meta['date']}, {meta['commit']}")
     return 0
 
 

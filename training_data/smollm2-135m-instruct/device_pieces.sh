@@ -8,8 +8,9 @@
 #                   e.g. `bash benchmarks/gpu_session.sh probe`): it keeps that GGUF piece in /root/stash;
 #   call N:         carry .device/pN, run `bash training_data/smollm2-135m-instruct/gpu_drafter.sh BUDGET`.
 # The last piece also holds the gguf wheel (the device image lacks it), the training-split prompt
-# files and the converted tokenizer files. The pieces are balanced, with 1 MiB kept free for the
-# tracked files to grow; the script says how many there are.
+# files, the evaluation prompts (bench/, for `gpu_session.sh e2e`) and the converted tokenizer files.
+# The pieces are balanced, with 1 MiB kept free for the tracked files to grow; the script says how many
+# there are.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LIMIT=67108864
@@ -19,6 +20,9 @@ target=$(python -c "from bastion_jax.default_model import default_target_dir; pr
 rm -rf .device/p[0-9]* .device/extras .device/gguf.xz*
 mkdir -p .device/extras/data .device/extras/tok .device/extras/whl
 cp ../shared/data/gsm8k_train.jsonl.gz ../shared/data/code_alpaca_2k.jsonl.gz .device/extras/data/
+# the evaluation prompts for `gpu_session.sh e2e`, apart from the training splits (never trained on)
+mkdir -p .device/extras/bench
+for f in mt_bench_questions gsm8k_test math500_test humaneval mbpp; do cp "../shared/data/$f.jsonl.gz" .device/extras/bench/; done
 tar cJf .device/extras/tok/tok.tar.xz -C "$target" tokenizer.json tokenizer_config.json chat_template.jinja
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 -d .device/extras/whl gguf==0.19.0

@@ -66,6 +66,7 @@ EOF
   [ -f "$TARGET/tokenizer.json" ] || { log "conversion failed"; exit 1; }
 fi
 log "target $TARGET ready"
+[ "${CONVERT_ONLY:-0}" = 1 ] && exit 0  # `gpu_session.sh e2e` wants the converted target alone
 $PY -c "import jax, flax, optax, orbax.checkpoint as o; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__, jax.devices())" 2>&1 | tee -a "$W/logs/job.log"
 
 # -- 1. data, alone on the GPU -----------------------------------------------------------------------
