@@ -12,6 +12,7 @@
 #
 #   bash benchmarks/gpu_session.sh probe    # compile times of the steps under XLA flag variants (compile_probe)
 #   bash benchmarks/gpu_session.sh arbatch  # SmolLM2 AR decode at batch 128: the step alone vs the engine
+#   bash benchmarks/gpu_session.sh floor    # XLA's products alone at 8B shapes vs the HBM floor, 3 flag variants
 #   bash benchmarks/gpu_session.sh e2e      # the default pair end to end (ar, dflash, fixed, bastion), after
 #                                           # gpu_drafter.sh converted the target on the same warm machine
 #
@@ -30,7 +31,9 @@
 #   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && BUCKETS=1,16,64,256 CONTEXTS=2048
 #      timeout 250 bash benchmarks/gpu_session.sh perf` (timeout_s ~280): perf_8b's whole step at 8B
 #      shapes, tree steps and the bastion loop included, on a reduced grid (the full grid took ~330-360 s);
-#   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash` (seconds);
+#   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash && timeout 120 bash benchmarks/gpu_session.sh
+#      floor` (timeout_s ~140): where the AR step's missing 43% goes (XLA's products alone, separate vs
+#      q|k|v and gate|up side by side, CUDA graphs as they are / off / on for every kind);
 #   3. carry the last piece: `DATA_S=0 bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS`,
 #      SECONDS = min(560, status's budget_left_s - 260), timeout_s = SECONDS + 25. It continues the shipped
 #      pair (v17: drafter + recurrent rank-256 head) with `--marginal 1.0` (v17's run lacked it and its
@@ -60,7 +63,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-benchmarks/results}"
 mkdir -p "$OUT"
-step="${1:?usage: gpu_session.sh check|verify|perf|perf-xla|stash|probe|arbatch|e2e}"
+step="${1:?usage: gpu_session.sh check|verify|perf|perf-xla|stash|probe|arbatch|floor|e2e}"
 
 case "$step" in
   check)
@@ -103,6 +106,19 @@ case "$step" in
     JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m benchmarks.ar_batch_probe --batch 128 --cache-len 768 \
       --name ar-batch128-smollm2 --out-dir "$OUT" 2>&1 | tee "$OUT/arbatch.log"
     ;;
+  floor)
+    # Why the AR step reads its weights at 0.57 of the HBM floor (H200, 2026-12-04): XLA's products alone,
+    # 7 or 4 (q|k|v, gate|up side by side) per layer (`ar_floor_probe`), under command buffers (CUDA
+    # graphs) as they are, off, and on for every command kind. ~25-40 s per variant at 8B shapes; the
+    # model's own AR step under the variant that wins here is the next lease's `verify` with XLA_FLAGS.
+    i=0
+    for flags in "" "--xla_gpu_enable_command_buffer=" \
+        "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"; do
+      XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$flags" timeout 90 python3 -m benchmarks.ar_floor_probe \
+        --name "ar-floor-qwen3-8b-flags$i" --out-dir "$OUT" 2>&1 | tee -a "$OUT/floor.log" || true
+      i=$(( i + 1 ))
+    done
+    ;;
   e2e)
     # The default pair end to end on this GPU (issue 14: AR, dflash, bastion tokens/s; never measured on a
     # GPU before): the target gpu_drafter.sh converted in an earlier call of the same warm machine (runs/
@@ -121,7 +137,7 @@ case "$step" in
       --out-dir "$OUT" 2>&1 | tee "$OUT/e2e.log"
     ;;
   *)
-    echo "unknown step $step (check, verify, perf, perf-xla, stash, probe, arbatch, e2e)" >&2
+    echo "unknown step $step (check, verify, perf, perf-xla, stash, probe, arbatch, floor, e2e)" >&2
     exit 2
     ;;
 esac

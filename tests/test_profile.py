@@ -415,3 +415,24 @@ def test_ar_batch_probe_times_the_step_alone_and_the_engine(tmp_path):
     assert raw["meta"]["batch"] == 3 and "| engine |" in (tmp_path / "ab.md").read_text()
     with pytest.raises(SystemExit, match="shorter than"):
         ar_batch_probe.main(["--layers", "1", "--batch", "1", "--prompt", "30", "--cache-len", "32", "--steps", "3"])
+
+
+def test_ar_floor_probe_times_the_same_weight_bytes_three_ways(tmp_path):
+    """ar_floor_probe's variants (7 products a layer, q|k|v + gate|up side by side, with norms) read the
+    same weight bytes, the analytic count of the shapes, so their floor / step ratios compare kernels."""
+    from benchmarks import ar_floor_probe
+
+    shape = dict(layers=2, hidden=32, intermediate=48, heads=4, kv_heads=2, head_dim=8, vocab=64)
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
+    assert ar_floor_probe.main(argv + ["--reps", "2", "--dtype", "float32", "--out-dir", str(tmp_path),
+                                       "--name", "fl"]) == 0
+    data = json.loads((tmp_path / "fl.json").read_text())
+    h, q, kv, i = 32, 4 * 8, 2 * 8, 48
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
+    expected = 4 * (2 * per_layer + h * 64)  # float32, 2 layers + the LM head
+    v = data["variants"]
+    assert set(v) == {"separate", "fused", "norms"}
+    assert all(r["weight_bytes"] == expected for r in v.values())
+    assert all(r["floor_over_step"] == pytest.approx(r["floor_s"] / r["step_s"]) for r in v.values())
+    assert data["meta"]["copy_bandwidth"] > 0 and data["meta"]["shapes"]["kv_heads"] == 2
+    assert "| fused | 4 |" in (tmp_path / "fl.md").read_text()
