@@ -28,14 +28,16 @@
 # still rising). Never run on a GPU yet: tree_prefill at 8B shapes (perf) and the default pair end to end
 # (e2e). So, after running `training_data/smollm2-135m-instruct/device_pieces.sh` here (three pieces),
 # back to back:
-#   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && BUCKETS=1,16,64,256 CONTEXTS=2048
-#      timeout 250 bash benchmarks/gpu_session.sh perf` (timeout_s ~280): perf_8b's whole step at 8B
+# The lease is 900 s with the start (~45 s) and the drafter's steps are what moves tau, so the measuring
+# calls are cut to what answers their question:
+#   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && BUCKETS=1,64 CONTEXTS=2048
+#      timeout 190 bash benchmarks/gpu_session.sh perf` (timeout_s ~210): perf_8b's whole step at 8B
 #      shapes, tree steps and the bastion loop included, on a reduced grid (the full grid took ~330-360 s);
-#   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash && timeout 120 bash benchmarks/gpu_session.sh
-#      floor` (timeout_s ~140): where the AR step's missing 43% goes (XLA's products alone, separate vs
-#      q|k|v and gate|up side by side, CUDA graphs as they are / off / on for every kind);
+#   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash && timeout 110 bash benchmarks/gpu_session.sh
+#      floor` (timeout_s ~125): where the AR step's missing 43% goes (XLA's products alone, separate vs
+#      q|k|v and gate|up side by side, CUDA graphs as they are / on for every kind / off);
 #   3. carry the last piece: `DATA_S=0 bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS`,
-#      SECONDS = min(560, status's budget_left_s - 260), timeout_s = SECONDS + 25. It continues the shipped
+#      SECONDS = min(560, status's budget_left_s - 200), timeout_s = SECONDS + 25. It continues the shipped
 #      pair (v17: drafter + recurrent rank-256 head) with `--marginal 1.0` (v17's run lacked it and its
 #      head-free law fell 10%) on every committed set (the maths, docstring and passage sets m17, m18, p19
 #      included since 2026-12-04: the fifth lease's run left them out), 6,000 steps of batch 32 at lr
@@ -44,8 +46,8 @@
 #      ret/v9a is best/ by the head's walk, ret/v9a-final the last step. The tar comes back in 15 MB pieces
 #      ($OUT allows 16 MB a file: never tar a drafter whole into $OUT). It leaves the converted target
 #      in runs/gpu-drafter/smollm2-f32 on the warm machine;
-#   4. carry the last piece again, at once: `PROMPTS=3 timeout 200 bash benchmarks/gpu_session.sh e2e`
-#      (timeout_s ~220): the default pair end to end (ar, dflash, fixed:16/64, bastion; 3 prompts of each
+#   4. carry the last piece again, at once: `PROMPTS=2 timeout 150 bash benchmarks/gpu_session.sh e2e`
+#      (timeout_s ~165): the default pair end to end (ar, dflash, fixed:16/64, bastion; 2 prompts of each
 #      evaluation set, 128 new tokens, texts checked against AR). If the machine went back in between,
 #      it converts the target again from the GGUF pieces (stash them first: calls 1-2 again);
 #   5. with time left (the machine stays warm 30 s): continue the last step at lr 1e-4 for what remains, as
@@ -109,12 +111,13 @@ case "$step" in
   floor)
     # Why the AR step reads its weights at 0.57 of the HBM floor (H200, 2026-12-04): XLA's products alone,
     # 7 or 4 (q|k|v, gate|up side by side) per layer (`ar_floor_probe`), under command buffers (CUDA
-    # graphs) as they are, off, and on for every command kind. ~25-40 s per variant at 8B shapes; the
+    # graphs) as they are, on for every command kind, and off. ~25-40 s per variant at 8B shapes; the
     # model's own AR step under the variant that wins here is the next lease's `verify` with XLA_FLAGS.
     i=0
-    for flags in "" "--xla_gpu_enable_command_buffer=" \
-        "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"; do
-      XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$flags" timeout 90 python3 -m benchmarks.ar_floor_probe \
+    for flags in "" \
+        "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
+        "--xla_gpu_enable_command_buffer="; do
+      XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$flags" timeout 45 python3 -m benchmarks.ar_floor_probe --reps 10 \
         --name "ar-floor-qwen3-8b-flags$i" --out-dir "$OUT" 2>&1 | tee -a "$OUT/floor.log" || true
       i=$(( i + 1 ))
     done
