@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18 p19; do
+for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18 p19 c20 c21; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
@@ -80,3 +80,10 @@ python -m bastion_jax.train_drafter pack --data runs/data/m18.jsonl --out $here/
 python -m bastion_jax.train_drafter data --out runs/data/p19.jsonl --num 1200 --seed 19 --sources --stdlib 0 \
   --passages 700 --magpie 500 --magpie-openers math --max-prompt-tokens 320 --temperature 0
 python -m bastion_jax.train_drafter pack --data runs/data/p19.jsonl --out $here/p19.npz --vocab-size 49152
+# Two more greedy opener-seeded chat sets (2026-12-04, the background of a CPU-only session; chat is still
+# the kind the drafter accepts least): seeds 20 and 21 as c15 / c16, 1500 prompts each.
+for seed in 20 21; do
+  python -m bastion_jax.train_drafter data --out runs/data/c$seed.jsonl --num 1500 --seed $seed --magpie 1500 --magpie-openers \
+    ${chat/--temperature 0.7/--temperature 0}
+  python -m bastion_jax.train_drafter pack --data runs/data/c$seed.jsonl --out $here/c$seed.npz --vocab-size 49152
+done
