@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from benchmarks.report import commit
+from benchmarks.report import commit, write_results
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,11 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant, r in rows.items():
         lines.append(f"| {variant} | {4 if variant == 'fused' else 7} | {r['step_s'] * 1e3:.3f} | "
                      f"{r['floor_s'] * 1e3:.3f} | {r['floor_over_step']:.3f} | {r['compile_s']:.1f} |")
-    out = Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "variants": rows}, indent=2) + "\n")
-    (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(a.out_dir, a.name, {"meta": meta, "variants": rows}, "\n".join(lines))
     return 0
 
 
