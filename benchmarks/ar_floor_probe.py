@@ -14,8 +14,8 @@ else around them, one jitted function per variant:
   norms      `separate` with the two RMSNorms and SwiGLU a layer has (what XLA fuses around products)
 
 Each reads the same bytes, so time / floor says what XLA:GPU reaches with N products per layer. Run it
-under XLA flag variants (`gpu_session.sh floor`: command buffers off / on for every kind) to see
-whether launch overhead is the gap: if `separate` here sits near the floor while the model does not,
+under XLA flag variants (`gpu_session.sh floor`: command buffers as they are / on for every kind / off)
+to see whether launch overhead is the gap: if `separate` here sits near the floor while the model does not,
 the model's other kernels are; if `fused` beats `separate`, storing the projections side by side is
 worth a checkpoint layout. Writes <name>.json and .md with device, date, commit and XLA_FLAGS.
 """
@@ -124,7 +124,6 @@ def time_variant(a, variant: str, dtype, reps: int) -> dict:
         y, tok = compiled(layers, head, norms, x)
         jax.block_until_ready(tok)
         times.append(time.perf_counter() - t0)
-    del layers, head
     return {"step_s": statistics.median(times), "best_s": min(times), "weight_bytes": nbytes,
             "compile_s": compile_s}
 
