@@ -1,5 +1,5 @@
-"""Plumbing shared by the command-line tools: progress on stderr, bad input as one `error:` line,
-the --dtype and --lookup flags, JAX's persistent compilation cache."""
+"""Plumbing shared by the command-line tools: progress on stderr, bad input as one `error:` line (a
+refused flag too: `Parser`), the --dtype and --lookup flags, JAX's persistent compilation cache."""
 
 from __future__ import annotations
 
@@ -33,6 +33,16 @@ def use_compilation_cache(directory: str | Path | None = None) -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
     return directory
+
+
+class Parser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose refusals are one `error: ...` line, as every other bad input is:
+    argparse's own prints the whole usage block first (20 lines for `generate`) and hides the reason
+    at the bottom. `--help` still prints the usage; subcommand parsers inherit the class."""
+
+    def error(self, message: str):  # argparse's hook for a refused command line; never returns
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 def positive_int(text: str) -> int:

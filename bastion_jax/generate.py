@@ -8,7 +8,7 @@ import sys
 import time
 
 from bastion_jax.calibration import calibration_model, load_or_calibrate
-from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, add_sampling_flags, dtype_note, fail, positive_int,
+from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, add_sampling_flags, dtype_note, fail, positive_int,
                              resolve_cond_head, resolve_dtype, resolve_lookup, stderr_log, use_compilation_cache)
 
 DEFAULT_PROMPT_HELP = "With no --target, the embedded SmolLM2-135M-Instruct is used."
@@ -17,7 +17,7 @@ WARMUP_TOKENS = 8  # new tokens of each untimed --compare-ar warm-up run
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m bastion_jax.generate",
         description="Generate text with a target LLM. One prompt streams its text to stdout; several "
                     "prompts run as one batch and print one JSON line per prompt "

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, fail, resolve_cond_head,
+from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, fail, resolve_cond_head,
                              resolve_lookup, stderr_log)
 from bastion_jax.controller import DEFAULT_BUCKETS, PolicyError, parse_buckets
 from bastion_jax.profile_report import device_meta, markdown, write_outputs
@@ -79,7 +79,7 @@ def add_layout_flag(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from bastion_jax.presets import PRESETS
 
-    p = argparse.ArgumentParser(prog="python -m bastion_jax.profile", description=__doc__,
+    p = Parser(prog="python -m bastion_jax.profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", help=f"named architecture with random weights: {', '.join(PRESETS)}")
     p.add_argument("--target", help="target checkpoint (converted dir, HF dir or .gguf)")

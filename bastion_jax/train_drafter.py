@@ -17,14 +17,14 @@ import time
 from pathlib import Path
 
 from bastion_jax.acceptance_cli import add_eval_parser, run_eval
-from bastion_jax.cli import fail, positive_int, stderr_log, use_compilation_cache
+from bastion_jax.cli import Parser, fail, positive_int, stderr_log, use_compilation_cache
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEFAULT_SOURCES = ("gsm8k_train.jsonl.gz", "code_alpaca_2k.jsonl.gz")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bastion_jax.train_drafter", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bastion_jax.train_drafter", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--target", help="target checkpoint (converted dir, HF dir or .gguf; default: the embedded "

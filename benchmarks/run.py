@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, add_sampling_flags, head_setting_words,
+from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, add_sampling_flags, head_setting_words,
                              resolve_cond_head, use_compilation_cache)
 from bastion_jax.acceptance import STANDARD_SETS, PromptError, read_prompts, resolve_prompt_file
 from benchmarks.report import commit, markdown_table, per_set, plot, write_csv
@@ -51,7 +51,7 @@ def identity_cell(identical: bool | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+    p = Parser(prog="python -m benchmarks.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", nargs="+", default=list(STANDARD_SETS),
                    help="standard sets by name (" + ", ".join(STANDARD_SETS) + "; read from ../shared/data beside "

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+from bastion_jax.cli import Parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m checkpoints_convert",
         description="Convert a Hugging Face safetensors directory (sharded or not) or a GGUF file "
                     "into an orbax checkpoint + config.json + tokenizer that bastion_jax loads.")

@@ -278,6 +278,77 @@ def test_generate_empty_prompt(capsys, monkeypatch, tmp_path, argv, stdin):
     assert "prompt" in line
 
 
+@pytest.mark.parametrize("argv,fragments", [
+    (["--max-new-tokens", "0"], ("--max-new-tokens", "'0'")),
+    (["--max-new-tokens", "abc"], ("--max-new-tokens", "'abc'")),
+    (["--dtype", "float16"], ("--dtype", "'float16'")),
+    (["--bogus"], ("unrecognized arguments", "--bogus")),
+])
+def test_generate_refused_flag_is_one_error_line(capsys, argv, fragments):
+    """A value argparse refuses is one line too (its own error printed the whole usage block first)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        generate.main([*argv, "w1 w2"])
+    assert e.value.code == 2
+    _one_error_line(capsys.readouterr().err, *fragments, "python -m bastion_jax.generate --help")
+
+
+def test_convert_and_trainer_refused_flags_are_one_error_line(capsys):
+    from bastion_jax.train_drafter import main as train_main
+
+    for run, argv, fragments in ((convert_main, [], ("required", "src")),
+                                 (train_main, ["train", "--steps", "x"], ("--steps", "'x'", "train --help"))):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            run(argv)
+        assert e.value.code == 2
+        _one_error_line(capsys.readouterr().err, *fragments)
+
+
+def test_failed_restore_silences_only_its_abandoned_reads(monkeypatch):
+    """After a failed restore, orbax's reads still in flight report "Event loop is closed" as
+    unraisable exceptions (a dozen tracebacks after the error line, when the race goes that way):
+    those are dropped, any other unraisable exception still reaches the hook installed before."""
+    from bastion_jax.checkpoints.loaders import _quiet_abandoned_reads
+
+    seen: list[str] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(str(u.exc_value)))
+
+    class RaisesOnDelete:
+        def __init__(self, message: str):
+            self.message = message
+
+        def __del__(self):
+            raise RuntimeError(self.message)
+
+    RaisesOnDelete("Event loop is closed")
+    assert seen == ["Event loop is closed"]  # before a failed restore: untouched
+    _quiet_abandoned_reads()
+    _quiet_abandoned_reads()  # installed once, not wrapped twice
+    RaisesOnDelete("Event loop is closed")
+    RaisesOnDelete("something else")
+    assert seen == ["Event loop is closed", "something else"]
+
+
+def test_generate_truncated_params_is_one_error_line(_tiny, tmp_path):
+    """A converted checkpoint whose weights file lost its end: one line, and nothing after it.
+
+    Run as a separate process, since what went wrong came after the error line: orbax's reads still
+    in flight when it gave up each printed an "Event loop is closed" traceback, some at exit."""
+    import os
+    import subprocess
+
+    ckpt = Path(shutil.copytree(_tiny["ours"], tmp_path / "ckpt"))
+    data = max((f for f in (ckpt / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    data.write_bytes(data.read_bytes()[:64])
+    cmd = [sys.executable, "-m", "bastion_jax.generate", "--target", str(ckpt), "--no-chat", "--quiet",
+           "--max-new-tokens", "2", "w1 w2"]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == ""
+    _one_error_line(done.stderr, "corrupt or incompatible checkpoint", "ckpt")
+
+
 @pytest.mark.parametrize("case,fragments", [
     ("config-not-object", ("config.json", "expected a JSON object")),
     ("metadata-not-object", ("not a bastion_jax target checkpoint", "'v1'")),

@@ -147,11 +147,37 @@ def _restore(path: Path, hf: dict[str, Any], kind: str, cfg, dtype: jnp.dtype | 
     if not (path / "params").is_dir():
         raise CheckpointError(f"missing params/ directory in checkpoint {path}")
     try:
-        params = ocp.StandardCheckpointer().restore((path / "params").absolute(), target_tree)
+        with ocp.StandardCheckpointer() as checkpointer:
+            params = checkpointer.restore((path / "params").absolute(), target_tree)
     except Exception as e:  # orbax raises many types for truncated/corrupt trees
+        _quiet_abandoned_reads()
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"corrupt or incompatible checkpoint {path / 'params'}: {msg}") from None
     return _merge(cfg, dtype or stored, params)
+
+
+def _quiet_abandoned_reads() -> None:
+    """After a failed restore, drop the "Event loop is closed" errors of its abandoned reads.
+
+    Orbax gives up at the first array it cannot read (a truncated file), closes its event loop and
+    returns; the reads still in flight finish afterwards and their callbacks find the loop closed.
+    Python reports each as an unraisable exception: a truncated 135M checkpoint printed a dozen
+    tracebacks after the one-line error, some at interpreter exit. Only that exact error is dropped,
+    and only once a restore has failed; every other unraisable exception still reaches the hook
+    that was installed before."""
+    import sys
+
+    previous = sys.unraisablehook
+    if getattr(previous, "_bastion_quiet", False):
+        return
+
+    def hook(unraisable) -> None:
+        exc = unraisable.exc_value
+        if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook._bastion_quiet = True
+    sys.unraisablehook = hook
 
 
 def default_scan_layers() -> bool:
