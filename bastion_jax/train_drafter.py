@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gamma", type=float, help="loss decay (default: 7 for B=16, 5 for 10, 4 for 8)")
     t.add_argument("--held-out", type=int, default=64, help="sequences kept aside for validation (default 64)")
     t.add_argument("--log-every", type=int, default=10)
-    t.add_argument("--save-every", type=int, default=200)
+    t.add_argument("--save-every", type=positive_int, default=200, help="checkpoint (under OUT/checkpoints, for --resume) every N steps (default 200)")
+    t.add_argument("--save-minutes", type=_minutes, default=5.0, help="... and whenever this many minutes passed since the last checkpoint (default 5; 0: by steps only)")
     t.add_argument("--eval-every", type=int, default=0)
     t.add_argument("--walk-rows", type=int, default=32, help="held-out rows whose first --walk-window response "
                    "positions validation walks as greedy decoding does (the tau that picks the best step; 0: the "
@@ -168,6 +169,19 @@ def _positive_seconds(text: str) -> float:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _minutes(text: str) -> float:
+    """--save-minutes: a finite number of minutes >= 0."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of minutes >= 0, got {text!r}")
     return value
 
 
@@ -255,7 +269,7 @@ def run_train(args, target, log) -> None:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, num_anchors=args.anchors,
                       lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
                       max_grad_norm=args.max_grad_norm, gamma=args.gamma, seed=args.seed, log_every=args.log_every,
-                      save_every=args.save_every, eval_every=args.eval_every,
+                      save_every=args.save_every, save_minutes=args.save_minutes, eval_every=args.eval_every,
                       draft_vocab=draft_vocab_size(args.draft_vocab, target.config.vocab_size),
                       matmul_dtype=args.matmul_dtype, cache_features=not args.no_feature_cache,
                       distill=args.distill, walk_rows=args.walk_rows, walk_window=args.walk_window, ema=args.ema,

@@ -293,6 +293,32 @@ def test_max_seconds_stops_resumably_and_anneals(pair, toy_data, tmp_path, monke
     assert len(later) == 2 and max(later) < 0.15 * cfg.lr  # it goes on annealed, no jump back to the peak
 
 
+def test_checkpoints_follow_the_clock_as_well_as_the_steps(pair, toy_data, tmp_path, monkeypatch):
+    """`save_minutes`: a checkpoint whenever that much time passed since the last one, whatever
+    `save_every` says (a slow CPU run would otherwise lose up to `save_every` steps to a session's end);
+    0 keeps the step rule alone. A fake clock (every reading 10 s later) makes it exact."""
+    from bastion_jax.training import trainer as trainer_module
+
+    class Clock:
+        t = 0.0
+
+        def perf_counter(self):
+            self.t += 10.0
+            return self.t
+
+    target, drafter = pair
+    train, _ = TokenDataset(toy_data, seq_len=32, vocab_size=target.config.vocab_size).split(4)
+    monkeypatch.setattr(trainer_module, "time", Clock())
+    real = Trainer._save
+    for minutes, want in ((0.0, [5]), (0.4, [1, 2, 3, 4, 5]), (60.0, [5])):
+        saved = []
+        monkeypatch.setattr(Trainer, "_save", lambda self, mngr, step, *a: saved.append(step) or real(self, mngr, step, *a))
+        cfg = TrainConfig(steps=5, batch_size=4, seq_len=32, num_anchors=8, lr=1e-2, save_every=50_000,
+                          save_minutes=minutes)
+        Trainer(target, drafter, cfg, tmp_path / str(minutes), log=lambda m: None).fit(train, progress=False)
+        assert saved == want, (minutes, saved)
+
+
 def test_averaged_weights_are_validated_exported_and_resumed(pair, toy_data, tmp_path, monkeypatch):
     """`TrainConfig.ema`: the run validates, hands `on_best` and returns the average
     e_t = d e_(t-1) + (1 - d) p_t begun at the starting weights; a resumed run continues the

@@ -301,6 +301,7 @@ class Trainer:
         bar = tqdm(total=self.cfg.steps, initial=step, disable=not progress, desc="train", unit="step")
         deadline = None if max_seconds is None else time.perf_counter() + max_seconds
         floor = self._progress  # a resumed run goes on from where the last one's schedule stood
+        saved_at = time.perf_counter()
         while step < self.cfg.steps:
             t0 = time.perf_counter()
             idx = next(indices)
@@ -348,9 +349,11 @@ class Trainer:
             if evaluating:
                 shipped, what = (params, "") if ema is None else (ema, "averaged weights")
                 self._validate(shipped, val, val_store, step, what)
-            if step % self.cfg.save_every == 0 or last:
+            overdue = self.cfg.save_minutes > 0 and time.perf_counter() - saved_at >= 60 * self.cfg.save_minutes
+            if step % self.cfg.save_every == 0 or last or overdue:
                 self._save(mngr, step, params, opt_state, ema)
                 store.flush()
+                saved_at = time.perf_counter()
             if stopping:
                 break
         bar.close()
