@@ -11,7 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-from bastion_jax.cli import add_cond_head_flags, add_lookup_flag, head_setting_words, resolve_cond_head, resolve_lookup
+from bastion_jax.cli import (add_cond_head_flags, add_lookup_flag, check_cond_head, head_setting_words, resolve_cond_head,
+                             resolve_lookup)
 
 
 def add_eval_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -60,6 +61,7 @@ def run_eval(args, target, log) -> None:
     for m in modes:
         Policy.parse(m)
     drafter = load_drafter(drafter_dir, target.config, target.dtype, cond_head=resolve_cond_head(args.cond_head))
+    check_cond_head(args.cond_head, drafter)
     tok = load_tokenizer(target)
     buckets = parse_buckets(args.buckets)
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
@@ -94,7 +96,7 @@ def run_eval(args, target, log) -> None:
         if training.is_file():
             meta["drafter_training"] = json.loads(training.read_text())
         setting = (f"first {args.max_prompts} prompts per set, batches of {args.batch_size}, context lookup "
-                   f"{args.lookup} (datastore {args.datastore}) (tree modes)"
+                   f"{args.lookup}{f' (datastore {args.datastore})' if args.lookup == 'on' else ''} (tree modes)"
                    + (f", {head_setting_words(engine)}" if meta["cond_head_rank"] else ""))
         for path in write_report(args.out, report, lines, meta, setting):
             log(f"wrote {path}")

@@ -155,6 +155,15 @@ def resolve_cond_head(flag: str) -> bool | None:
     return None if flag == "auto" else flag == "on"
 
 
+def check_cond_head(flag: str, drafter) -> None:
+    """--cond-head on asks for the head: with no drafter, a random one or one that ships no
+    `cond_head.json` it is refused (ValueError, one line), not quietly run without it."""
+    if flag == "on" and (drafter is None or not drafter.config.cond_head_rank):
+        what = ("there is no drafter" if drafter is None else "a random drafter has no conditioned head"
+                if drafter.path is None else f"{drafter.path} ships no conditioned head (cond_head.json)")
+        raise ValueError(f"--cond-head on: {what}; give a drafter that ships one, or --cond-head auto / off")
+
+
 def add_lookup_flag(parser) -> None:
     parser.add_argument("--lookup", default="on", choices=["on", "off"], help=LOOKUP_HELP)
     parser.add_argument("--datastore", default="auto", help=DATASTORE_HELP)

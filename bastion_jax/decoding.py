@@ -36,20 +36,22 @@ def prefill_target(target, cache: KVCache, tokens: jax.Array, lengths: jax.Array
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def prefill(cfg: StepConfig, state: nnx.State, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
             key: jax.Array):
-    """AR prefill: tokens [batch, bucket] right-padded, lengths [batch] -> (first tokens, cache)."""
+    """AR prefill: tokens [batch, bucket] right-padded, lengths [batch] -> (cache, first tokens [batch]).
+
+    The AR policy's state is its KV cache: (state, outputs) as every other step returns."""
     first, cache, _ = prefill_target(nnx.merge(cfg.target_def, state), cache, tokens, lengths, key, cfg.greedy, ())
-    return first, cache
+    return cache, first
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def decode(cfg: StepConfig, state: nnx.State, cache: KVCache, tokens: jax.Array, lengths: jax.Array, key: jax.Array,
            active: jax.Array | None = None):
     """One token per row: tokens [batch] written at slot/position lengths[b] (not for rows with
-    `active[b]` False: finished rows of a batch). Returns (next, cache)."""
+    `active[b]` False: finished rows of a batch). Returns (cache, next tokens [batch])."""
     model = nnx.merge(cfg.target_def, state)
     out = model(tokens[:, None], lengths[:, None], cache, lengths, causal_mask(tokens.shape[0], 1),
                 active=active)
-    return sample(out.logits[:, 0], key, cfg.greedy), out.cache
+    return out.cache, sample(out.logits[:, 0], key, cfg.greedy)
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))

@@ -316,7 +316,7 @@ class Engine:
         # room for all of them after max_new_tokens, so every row may produce its full budget.
         rows = Rows(batch, max_new_tokens, self.stop_ids)
         if policy.kind == "ar":
-            nxt, tcache = prefill(exe.target_params, tcache, *prompt_args)
+            tcache, nxt = prefill(exe.target_params, tcache, *prompt_args)
             first = np.asarray(nxt)
         elif policy.kind == "dflash":
             state = prefill(exe.target_params, dstate, tcache, exe.new_drafter_cache(batch, cache_len), *prompt_args)
@@ -367,7 +367,7 @@ class Engine:
             if policy.kind == "ar":
                 # (lengths go in as NumPy: the executable's own transfer, ~25 us of CPU host time; device_put ~150)
                 if queued is None:
-                    queued, tcache = step(exe.target_params, tcache, cur, lengths, next_params(), active_dev)
+                    tcache, queued = step(exe.target_params, tcache, cur, lengths, next_params(), active_dev)
                 cur = queued
                 # Look ahead: dispatch the next step on this one's token (still on the device) before
                 # reading it, so the device works while the host reads, emits and yields. A row that
@@ -375,7 +375,7 @@ class Engine:
                 # here nothing more is dispatched.
                 queued = None
                 if look_ahead:
-                    queued, tcache = step(exe.target_params, tcache, cur, (lengths + active).astype(np.int32),
+                    tcache, queued = step(exe.target_params, tcache, cur, (lengths + active).astype(np.int32),
                                           next_params(), active_dev)
                 (toks,) = read(cur)
                 new = [[toks[i]] for i in range(batch)]

@@ -8,8 +8,9 @@ import sys
 import time
 
 from bastion_jax.calibration import calibration_model, load_or_calibrate
-from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, add_sampling_flags, dtype_note, fail, positive_int,
-                             resolve_cond_head, resolve_dtype, resolve_lookup, stderr_log, use_compilation_cache)
+from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, add_sampling_flags, check_cond_head, dtype_note,
+                             fail, positive_int, resolve_cond_head, resolve_dtype, resolve_lookup, stderr_log,
+                             use_compilation_cache)
 
 DEFAULT_PROMPT_HELP = "With no --target, the embedded SmolLM2-135M-Instruct is used."
 DEFAULT_BLOCK_SIZE = 16  # of a --drafter random
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "a tiny randomly initialised drafter that fits the target (for trying the pipeline); 'none' "
                    "decodes without one. Default: the shipped SmolLM2 drafter with the default target, else none")
     p.add_argument("--mode", help="decoding policy: ar (plain autoregressive), dflash (the drafter's top-1 chain), "
-                   "fixed:N (always verify an N-node tree; N must be a bucket), bastion (the controller picks the "
+                   "fixed:N (always verify an N-node tree, compiled beside --buckets), bastion (the controller picks the "
                    "tree size maximising estimated tokens/s; a plain AR step where drafting does not pay) or "
                    "bastion-paper (the official BASTION size rule, for comparison). Default: bastion with a drafter, "
                    "else ar")
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
         policy = Policy.parse(args.mode) if args.mode else None
         path, target, drafter = load_models(args, log)
+        check_cond_head(args.cond_head, drafter)
         tokenizer = load_tokenizer(target)
 
         mode = args.mode or ("bastion" if drafter else "ar")

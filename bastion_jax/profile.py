@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, fail, resolve_cond_head,
+from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, check_cond_head, fail, resolve_cond_head,
                              resolve_lookup, stderr_log)
 from bastion_jax.controller import DEFAULT_BUCKETS, PolicyError, parse_buckets
 from bastion_jax.profile_report import device_meta, markdown, write_outputs
@@ -196,6 +196,7 @@ def setup(args, log=lambda msg: None) -> Setup:
         else:
             drafter = load_drafter(drafter_arg, target.config, target.dtype,
                                    cond_head=resolve_cond_head(getattr(args, "cond_head", "auto")))
+        check_cond_head(getattr(args, "cond_head", "auto"), drafter)
         cache_len = plan_cache_len(contexts, buckets, drafter.config.block_size,
                                    target.config.max_position_embeddings, args.max_len)
         label = (Path(args.target).name.split(".")[0] or "target") + ("-scanned" if target.config.scan_layers else "")

@@ -147,7 +147,7 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
                "curve": curve}
 
         def ar():
-            nxt, box["ar"] = ar_step(tstate, box["ar"], zero_tok, length, key, active)
+            box["ar"], nxt = ar_step(tstate, box["ar"], zero_tok, length, key, active)
             jax.block_until_ready(nxt)
 
         def drafting():

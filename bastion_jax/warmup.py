@@ -142,9 +142,9 @@ def warm_up(engine: "Engine", kind: str, batch: int, bucket: int, cache_len: int
                                             np.full((batch,), min(warm_len, bucket), np.int32), 0, sampling)
     inactive = jax.device_put(np.zeros((batch,), bool))
     if kind == "ar":
-        nxt, tcache = prefill(exe.target_params, exe.new_cache(batch, cache_len), tokens, lens, params)
+        tcache, nxt = prefill(exe.target_params, exe.new_cache(batch, cache_len), tokens, lens, params)
         for step in steps:  # (the loop sends the lengths each step)
-            nxt, tcache = step(exe.target_params, tcache, nxt, jax.device_put(np.asarray(lens)), params, inactive)
+            tcache, nxt = step(exe.target_params, tcache, nxt, jax.device_put(np.asarray(lens)), params, inactive)
         jax.block_until_ready(nxt)
     elif kind == "dflash":
         state = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),

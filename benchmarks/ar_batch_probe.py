@@ -81,13 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cache = KVCache.create(tcfg, b, args.cache_len, dtype)
             lengths = jnp.full((b,), args.prompt, jnp.int32)
-            first, cache = decoding.prefill(cfg, target.state, cache, jnp.asarray(prompts), lengths, key)
-            tok, cache = decoding.decode(cfg, target.state, cache, first, lengths, key)  # compile
+            cache, first = decoding.prefill(cfg, target.state, cache, jnp.asarray(prompts), lengths, key)
+            cache, tok = decoding.decode(cfg, target.state, cache, first, lengths, key)  # compile
             jax.block_until_ready(tok)
             for read_each in (False, True):
                 t0 = time.perf_counter()
                 for i in range(n):
-                    tok, cache = decoding.decode(cfg, target.state, cache, tok, lengths + 1 + i, key)
+                    cache, tok = decoding.decode(cfg, target.state, cache, tok, lengths + 1 + i, key)
                     if read_each:
                         np.asarray(tok)
                 jax.block_until_ready(tok)

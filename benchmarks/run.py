@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, add_sampling_flags, head_setting_words,
+from bastion_jax.cli import (Parser, add_cond_head_flags, check_cond_head, add_lookup_flag, add_sampling_flags, head_setting_words,
                              resolve_cond_head, use_compilation_cache)
 from bastion_jax.acceptance import STANDARD_SETS, PromptError, read_prompts, resolve_prompt_file
 from benchmarks.report import commit, markdown_table, per_set, plot, write_csv
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         drafter = load_drafter(args.drafter, target.config, target.dtype,
                                cond_head=resolve_cond_head(args.cond_head))
+    check_cond_head(args.cond_head, drafter)
     buckets = parse_buckets(args.buckets)
 
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,

@@ -96,7 +96,7 @@ def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
         length = jax.device_put(np.full(1, c, np.int32))
 
         def ar():
-            nxt, box["cache"] = ar_step(params, box["cache"], token, length, key, active)
+            box["cache"], nxt = ar_step(params, box["cache"], token, length, key, active)
             jax.block_until_ready(nxt)
 
         result["ar_step_s"][str(c)] = median_s(ar, reps, warmup)

@@ -305,14 +305,19 @@ def test_convert_and_trainer_refused_flags_are_one_error_line(capsys):
         _one_error_line(capsys.readouterr().err, *fragments)
 
 
-def test_failed_restore_silences_only_its_abandoned_reads(monkeypatch):
+def test_failed_restore_silences_only_its_abandoned_reads(monkeypatch, _tiny):
     """After a failed restore, orbax's reads still in flight report "Event loop is closed" as
     unraisable exceptions (a dozen tracebacks after the error line, when the race goes that way):
     those are dropped, any other unraisable exception still reaches the hook installed before."""
     from bastion_jax.checkpoints.loaders import _quiet_abandoned_reads
 
+    from bastion_jax.checkpoints import load_target
+
     seen: list[str] = []
-    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(str(u.exc_value)))
+    mine = lambda u: seen.append(str(u.exc_value))  # noqa: E731
+    monkeypatch.setattr(sys, "unraisablehook", mine)
+    load_target(_tiny["ours"])
+    assert sys.unraisablehook is mine  # a restore that succeeds leaves the hook as it was
 
     class RaisesOnDelete:
         def __init__(self, message: str):
@@ -328,6 +333,16 @@ def test_failed_restore_silences_only_its_abandoned_reads(monkeypatch):
     RaisesOnDelete("Event loop is closed")
     RaisesOnDelete("something else")
     assert seen == ["Event loop is closed", "something else"]
+
+
+@pytest.mark.parametrize("drafter,fragment", [("none", "there is no drafter"),
+                                              ("random", "a random drafter has no conditioned head")])
+def test_generate_cond_head_on_without_a_head_is_refused(capsys, _tiny, drafter, fragment):
+    """--cond-head on asks for the head: without one to use it is refused, not quietly ignored."""
+    rc, out, err = _generate(capsys, "--target", str(_tiny["ours"]), "--drafter", drafter, "--cond-head", "on",
+                             "--no-chat", "--quiet", "--max-new-tokens", "2", "w1 w2")
+    assert rc == 2 and out == ""
+    _one_error_line(err, "--cond-head on", fragment)
 
 
 def test_generate_truncated_params_is_one_error_line(_tiny, tmp_path):

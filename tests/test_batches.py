@@ -167,4 +167,4 @@ def test_finished_rows_write_no_kv(converted):
 
     tcache, _ = caches()
     tokens = jnp.asarray([3, 4], jnp.int32)
-    check(tcache, lambda c: decode(cfg, target.state, c, tokens, lens, key, active)[1])
+    check(tcache, lambda c: decode(cfg, target.state, c, tokens, lens, key, active)[0])

@@ -45,7 +45,7 @@ def test_a_step_compiles_on_a_worker_and_its_call_waits_for_it(converted, monkey
     prompt = [3, 17, 29, 41, 7]
     tokens = np.zeros((1, 16), np.int32)
     tokens[0, :5] = prompt
-    nxt, _ = prefill(exe.target_params, exe.new_cache(1, 64), tokens, np.array([5], np.int32),
+    _, nxt = prefill(exe.target_params, exe.new_cache(1, 64), tokens, np.array([5], np.int32),
                      sampler(jax.random.PRNGKey(0), SamplingConfig()))
     with torch.no_grad():
         want = int(model(torch.tensor([prompt])).logits[0, -1].argmax())

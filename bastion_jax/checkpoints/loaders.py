@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -146,30 +147,31 @@ def _restore(path: Path, hf: dict[str, Any], kind: str, cfg, dtype: jnp.dtype | 
         target_tree = swap_dense(target_tree)
     if not (path / "params").is_dir():
         raise CheckpointError(f"missing params/ directory in checkpoint {path}")
+    before = _quiet_abandoned_reads()  # from before the restore: its reads may outlive its failure
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore((path / "params").absolute(), target_tree)
     except Exception as e:  # orbax raises many types for truncated/corrupt trees
-        _quiet_abandoned_reads()
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"corrupt or incompatible checkpoint {path / 'params'}: {msg}") from None
+    if before is not None:  # restored whole: no read was abandoned, the hook goes back as it was
+        sys.unraisablehook = before
     return _merge(cfg, dtype or stored, params)
 
 
-def _quiet_abandoned_reads() -> None:
-    """After a failed restore, drop the "Event loop is closed" errors of its abandoned reads.
+def _quiet_abandoned_reads():
+    """Drop the "Event loop is closed" errors of a failed restore's abandoned reads.
 
     Orbax gives up at the first array it cannot read (a truncated file), closes its event loop and
-    returns; the reads still in flight finish afterwards and their callbacks find the loop closed.
-    Python reports each as an unraisable exception: a truncated 135M checkpoint printed a dozen
-    tracebacks after the one-line error, some at interpreter exit. Only that exact error is dropped,
-    and only once a restore has failed; every other unraisable exception still reaches the hook
-    that was installed before."""
-    import sys
-
+    returns; reads still in flight finish afterwards and their callbacks find the loop closed. Python
+    reports each as an unraisable exception: a truncated 135M checkpoint printed up to a dozen
+    tracebacks after the one-line error, some at interpreter exit. Installed before a restore (a
+    callback can fire before the failure reaches us) and left in place only when it fails; only that
+    exact error is dropped, every other unraisable exception still reaches the hook installed before.
+    Returns that hook, or None when ours was already in place."""
     previous = sys.unraisablehook
     if getattr(previous, "_bastion_quiet", False):
-        return
+        return None
 
     def hook(unraisable) -> None:
         exc = unraisable.exc_value
@@ -178,6 +180,7 @@ def _quiet_abandoned_reads() -> None:
 
     hook._bastion_quiet = True
     sys.unraisablehook = hook
+    return previous
 
 
 def default_scan_layers() -> bool:
