@@ -31,10 +31,11 @@ from bastion_jax.datastore import Datastore, resolve_datastore
 from bastion_jax.lookup import LookupConfig
 from bastion_jax.modeling.attention import PREFILL_TILE
 from bastion_jax.modeling.cond_head import default_cond_candidates, default_cond_depths
-from bastion_jax.sampling import SamplingConfig
+from bastion_jax.sampling import KeyStream, SamplingConfig
 from bastion_jax.speculative import DraftVocab, resolve_draft_vocab
 from bastion_jax.stats import Result, Rows, Stats
-from bastion_jax.tree_loop import TreeLoop, read
+from bastion_jax.loops import ArLoop, ChainLoop
+from bastion_jax.tree_loop import TreeLoop
 
 __all__ = ["MODES", "Engine", "GenerationError", "Result", "Stats"]
 
@@ -336,22 +337,22 @@ class Engine:
         yield emitted
         held += time.perf_counter() - paused
         lengths = lens.copy()
-        cur = nxt if policy.kind == "ar" else None  # AR: the next input stays on the device
         active_dev, active_was = None, None  # the rows' active mask on the device, sent again only when it changes
-        if policy.uses_tree:
+        # One loop interface for every policy (`loops`, `tree_loop`): the state it carries is the KV
+        # cache (AR), the `SpecState` (dflash) or the `TreeState` (tree policies).
+        if policy.kind == "ar":
+            loop, state = ArLoop(step, exe.target_params, nxt), tcache
+        elif policy.kind == "dflash":
+            loop = ChainLoop(step, exe.target_params, dstate)
+        else:
             loop = TreeLoop(policy.kind, controller, gate, steps, roots, latency, self.buckets,
                             exe.target_params, dstate, curve, chains, self.stop_ids, self.block_size or 0)
+        keys = KeyStream(rng) if not sampling.greedy else None  # (greedy steps draw nothing)
         compiled_before_loop = compile_counter.compilations()
-        queued = None  # AR: the next step's token, dispatched before this step's token was read
 
         def next_params():
-            """The step's sampler with a fresh key; greedy steps draw nothing, so they keep one (an
-            eager split costs ~0.5 ms of host time per step on CPU)."""
-            nonlocal rng
-            if sampling.greedy:
-                return params
-            rng, sub = jax.random.split(rng)
-            return params.replace(key=sub)
+            """The step's sampler with a fresh key; greedy steps keep the request's one."""
+            return params if keys is None else params.replace(key=keys.next())
 
         while not rows.done.all():
             active = ~rows.done
@@ -361,33 +362,12 @@ class Engine:
             # one is read (AR always; the tree policies after a root step that does not draft).
             look_ahead = not (rows.done | (rows.produced + 1 >= rows.budget)).all()
             # Every active row still needs a step after this one even if this one commits a whole
-            # block (a tree step commits at most block_size tokens): fixed:N may dispatch it ahead.
+            # block (a step commits at most block_size tokens): fixed:N and dflash may dispatch it ahead.
             tree_ahead = bool((rows.done | (rows.produced + (self.block_size or 0) < rows.budget)).all())
             # One device->host read per step (`tree_loop.read` of everything the host needs at once).
-            if policy.kind == "ar":
-                # (lengths go in as NumPy: the executable's own transfer, ~25 us of CPU host time; device_put ~150)
-                if queued is None:
-                    tcache, queued = step(exe.target_params, tcache, cur, lengths, next_params(), active_dev)
-                cur = queued
-                # Look ahead: dispatch the next step on this one's token (still on the device) before
-                # reading it, so the device works while the host reads, emits and yields. A row that
-                # stops here is computed once more and its token dropped; when every row's budget ends
-                # here nothing more is dispatched.
-                queued = None
-                if look_ahead:
-                    tcache, queued = step(exe.target_params, tcache, cur, (lengths + active).astype(np.int32),
-                                          next_params(), active_dev)
-                (toks,) = read(cur)
-                new = [[toks[i]] for i in range(batch)]
-                counts = np.ones(batch, np.int64)
-            elif policy.kind == "dflash":
-                state, out = step(exe.target_params, dstate, state, active_dev, next_params())
-                toks, counts = read(out.tokens, out.count)
-                new = [toks[i, : counts[i]] for i in range(batch)]
-            else:
-                state, toks, counts = loop.step(state, active, active_dev, lengths, next_params,
-                                                look_ahead, tree_ahead, rows.budget - rows.produced)
-                new = [toks[i, : counts[i]] for i in range(batch)]
+            state, toks, counts = loop.step(state, active, active_dev, lengths, next_params, look_ahead, tree_ahead,
+                                            rows.budget - rows.produced)
+            new = [toks[i, : counts[i]] for i in range(batch)]
             lengths = lengths + np.where(active, counts, 0).astype(np.int32)
             stats.steps += 1
             stats.row_steps += int(active.sum())

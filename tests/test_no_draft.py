@@ -302,7 +302,11 @@ def test_engine_fixed_tree_steps_dispatched_ahead(pair, monkeypatch, sampling):
 
     monkeypatch.setattr(TreeLoop, "step", spy)
     res = engine.generate(prompts, max_new_tokens=40, mode="fixed:4", sampling=sampling, seed=3)
-    assert sum(ahead) >= 3 and not ahead[-1]  # it looked ahead, and nothing was left queued
+    # It looked ahead, and nothing was left queued when the request ended on a budget; a step sent
+    # ahead of a read that then ends the last row on a stop id is computed and dropped (sampled rows
+    # may all end on the stop id).
+    last_on_stop = all(row[-1] == stop and len(row) < 40 for row in res.tokens)
+    assert sum(ahead) >= 3 and (not ahead[-1] or last_on_stop)
     monkeypatch.setattr(TreeLoop, "step", lambda self, *a, **k: real_step(self, *a[:6], tree_ahead=False))
     serial = engine.generate(prompts, max_new_tokens=40, mode="fixed:4", sampling=sampling, seed=3)
     assert res.tokens == serial.tokens
