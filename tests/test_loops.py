@@ -48,7 +48,7 @@ def test_ar_steps_take_the_last_token_on_the_device_and_go_one_ahead(monkeypatch
     """AR: each step's input is the previous step's token as it stays on the device; the next step
     goes out before the read while some row has budget (look_ahead), one position further for the
     active rows only; each token is read once, in order."""
-    log, batch = [], 2
+    log = []
     seen = []
 
     def decode(tp, cache, tokens, lengths, key, active):
