@@ -108,6 +108,7 @@ class TreeLoop:
         self.hint: np.ndarray | None = None  # the lookup chain's curve after the last step that did not draft
         self.hint_mean: np.ndarray | None = None  # the same, the active rows' mean (what chain_rho learns on)
         self.queued: Dispatched | None = None  # a step dispatched ahead
+        self.log_probs: np.ndarray | None = None  # bastion-paper: the last read tree's log path probabilities
         self.back_at = 0.0  # when the host last came back to the loop (its reads are timed from there)
 
     def _dispatch_root(self, then: int, state, active_dev, key, early: bool = False) -> tuple[Any, Dispatched]:
@@ -150,7 +151,10 @@ class TreeLoop:
             # A plain AR step on the root (the tree in hand is dropped: drafting does not pay, or the
             # best bucket is the root alone, which a root step verifies without drafting).
             return self._dispatch_root(gate.root_then(context, self.hint), state, active_dev, key)
-        probs = np.exp(np.asarray(state.tree.log_probs)) if self.kind == "bastion-paper" else None
+        probs = None
+        if self.kind == "bastion-paper":  # the drafted tree's path probabilities, read with the step's outputs
+            lp = self.log_probs if self.log_probs is not None else np.asarray(state.tree.log_probs)  # (prefill's)
+            probs, self.log_probs = np.exp(lp), None
         b = ctl.choose(a * (gate.rho if gate else 1.0), context, last if self.kind == "bastion" else active, probs,
                        record=False)
         return self._dispatch_tree(b, state, active_dev, key)
@@ -195,7 +199,11 @@ class TreeLoop:
             state, self.queued = self._dispatch_holding(context + 1, state, active_dev, next_key(), ahead=True)
         elif tree_ahead and self.kind == "fixed":
             state, self.queued = self._dispatch_tree(cur.bucket, state, active_dev, next_key(), early=True)
-        toks, counts, new_curve = read(cur.out.tokens, cur.out.count, cur.curve)
+        # bastion-paper sizes the next tree by the tree this step drafted: its path probabilities come in
+        # the same read (nothing goes ahead of a bastion-paper read, so `state` is this step's).
+        paper = (state.tree.log_probs,) if self.kind == "bastion-paper" else ()
+        toks, counts, new_curve, *lp = read(cur.out.tokens, cur.out.count, cur.curve, *paper)
+        self.log_probs = lp[0] if lp else None
         # A step dispatched before its predecessor was read started on the device when that one ended,
         # at the latest when the host came back for it; any other step started when it was dispatched.
         elapsed = time.perf_counter() - (max(cur.at, self.back_at) if cur.early else cur.at)

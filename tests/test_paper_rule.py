@@ -73,7 +73,10 @@ def test_small_trees_rounding_and_buckets():
     assert f(4) == 2.0 and f(10) == pytest.approx(3.5) and f(20) == pytest.approx(6.0)
 
 
-def test_paper_mode_is_lossless_and_picks_multiples_of_32(converted):
+def test_paper_mode_is_lossless_and_picks_multiples_of_32(converted, monkeypatch):
+    """Lossless, sizes in multiples of 32, and one read per step: the drafted tree's path probabilities
+    come with its tokens (they were a second device->host read)."""
+    from bastion_jax import tree_loop
     from bastion_jax.checkpoints import random_drafter
     from bastion_jax.engine import Engine, GenerationError
     from bastion_jax.testing import tiny_drafter_config
@@ -83,8 +86,12 @@ def test_paper_mode_is_lossless_and_picks_multiples_of_32(converted):
     engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 8, 32, 64), top_k=8)
     prompts = [[5, 9, 11, 40, 41], [7, 3, 20]]
     ar = engine.generate(prompts, max_new_tokens=20, mode="ar").tokens
+    reads, real_read = [], tree_loop.read
+    monkeypatch.setattr(tree_loop, "read", lambda *a: reads.append(len(a)) or real_read(*a))
     res = engine.generate(prompts, max_new_tokens=20, mode="bastion-paper")
+    monkeypatch.undo()
     assert res.tokens == ar
+    assert reads == [4] * res.stats.steps  # tokens, counts, curve and the tree's log path probabilities
     assert set(res.stats.buckets) <= {32, 64} and sum(res.stats.buckets.values()) == res.stats.steps
     small = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 8, 16), top_k=8)
     with pytest.raises(GenerationError, match="at least 32"):
