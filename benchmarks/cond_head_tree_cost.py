@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 
 from bastion_jax.modeling.cond_head import CondHead, head_law
-from bastion_jax.tree_decoding import _trees
+from bastion_jax.tree_decoding import draft_trees
 
 h, N, D, V, r = 576, 8192, 15, 49152, 64
 E = jax.random.normal(jax.random.key(0), (V, h)) * 0.02
@@ -21,7 +21,7 @@ law = head_law(head, hid, base, E, table)
 root = jnp.array([5])
 for buckets in ((1, 4, 8, 16), (1, 4, 8, 16, 32, 64)):
     for cd in (0, 2, 3, 4, 5):
-        f = lambda: _trees(buckets, 128, cd, root, base, ids, None, law if cd else None)
+        f = lambda: draft_trees(buckets, 128, cd, root, base, ids, None, law if cd else None)
         jax.block_until_ready(f())
         ts = []
         for _ in range(20):

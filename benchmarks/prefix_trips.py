@@ -45,7 +45,7 @@ def prefix_stack(layers: int, kv: int, trip: int):
     def run(q, k_cache, v_cache, length):
         out, total = q, jnp.float32(0)
         for i in range(layers):
-            part = attention.prefix(attention.empty(out, kv), attention._group(out, kv), k_cache, v_cache, length,
+            part = attention.prefix(attention.empty(out, kv), attention.group_queries(out, kv), k_cache, v_cache, length,
                                     trip, i)
             o = attention.finish(part, out.dtype)  # [b, t, q_heads * d]
             total = total + o.sum()

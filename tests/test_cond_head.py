@@ -339,12 +339,12 @@ def test_a_head_trained_on_a_frozen_drafter_walks_as_decoding_does(pair, tmp_pat
 
 @pytest.mark.parametrize("recurrent", [False, True])
 def test_a_steps_tree_takes_each_parents_own_law(pair, recurrent):
-    """`tree_decoding._trees` with a head's law and cond_depths 3: the nodes and scores of enumerating
+    """`tree_decoding.draft_trees` with a head's law and cond_depths 3: the nodes and scores of enumerating
     every path whose depth-2..3 children come from the parent's own law (the head run per parent, a
     recurrent one along the whole path from the root)."""
     from test_tree import node_paths, per_parent_brute_force
 
-    from bastion_jax.tree_decoding import _trees
+    from bastion_jax.tree_decoding import draft_trees
 
     loaded, drafter = pair
     grown = with_head(drafter, 6, seed=8, scale=3.0, recurrent=recurrent)
@@ -358,8 +358,8 @@ def test_a_steps_tree_takes_each_parents_own_law(pair, recurrent):
     root = jnp.array([3, 50])
     logits = spine_logits(law, root, None)
     n, top_k = 9, 2
-    tree, _ = _trees((1, 4, n), top_k, 3, root, logits, None, None, law)
-    plain, _ = _trees((1, 4, n), top_k, 0, root, logits, None, None, None)
+    tree, _ = draft_trees((1, 4, n), top_k, 3, root, logits, None, None, law)
+    plain, _ = draft_trees((1, 4, n), top_k, 0, root, logits, None, None, None)
     differs = []
     for r in range(2):
         row = law._replace(a=law.a[r], base=law.base[r])

@@ -53,7 +53,9 @@ class Causal(NamedTuple):
     lengths: jax.Array  # [b] int32
 
 
-def _group(q: jax.Array, kv_heads: int) -> jax.Array:
+def group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+    """Queries [b, t, heads, d] as [b, t, kv_heads, groups, d]: each kv head with the query heads
+    that share it (grouped-query attention), the layout `prefix` and the kernels take."""
     b, t, hq, d = q.shape
     return q.reshape(b, t, kv_heads, hq // kv_heads, d)  # [b, t, kv_heads, groups, d]
 
@@ -235,7 +237,7 @@ def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: j
     tests check both against the same brute-force reference.
 
     Returns [b, t, q_heads * d]; equal to `attend` over [prefix | new] up to float rounding."""
-    qg = _group(q, k.shape[2])
+    qg = group_queries(q, k.shape[2])
     t = q.shape[1]
     k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [b, kv_heads, t_k, d]: the cache's order
     if isinstance(mask, Causal):
@@ -299,7 +301,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     Every query must see at least one key (it always sees itself in our uses).
     """
     b, t, hq, d = q.shape
-    qg = _group(q, k.shape[2])  # [b, t, kv_heads, groups, d]
+    qg = group_queries(q, k.shape[2])  # [b, t, kv_heads, groups, d]
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (d ** -0.5)
     scores = jnp.where(mask[:, None, None], scores, NEG_INF)
