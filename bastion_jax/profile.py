@@ -180,6 +180,7 @@ def setup(args, log=lambda msg: None) -> Setup:
         log(f"building {args.arch} ({tcfg.num_hidden_layers} layers, {tcfg.param_count() / 1e6:.0f}M params) + "
             f"{dcfg.num_hidden_layers}-layer drafter, random {jnp.dtype(dtype).name} weights")
         target, drafter = random_models(tcfg, dcfg, dtype, args.seed)
+        check_cond_head(getattr(args, "cond_head", "auto"), drafter)  # (random: no head)
         label = args.arch + (f"-L{args.layers}" if args.layers else "") + ("-scanned" if tcfg.scan_layers else "")
         model_name = with_lookup(f"arch:{label}|random", lookup is not None)
         draft_vocab = datastore = None

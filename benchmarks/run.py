@@ -126,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         drafter = load_drafter(args.drafter, target.config, target.dtype,
                                cond_head=resolve_cond_head(args.cond_head))
-    check_cond_head(args.cond_head, drafter)
+    try:
+        check_cond_head(args.cond_head, drafter)
+    except ValueError as e:
+        p.error(str(e))
     buckets = parse_buckets(args.buckets)
 
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,

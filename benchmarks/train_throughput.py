@@ -159,7 +159,7 @@ def worker_learn(data_path: str, steps: int) -> list[dict]:
     features = Path(tempfile.mkdtemp(prefix="train-learn-"))
     out = []
     for dtype in ("float32", "bfloat16"):
-        cfg = TrainConfig(steps=steps, **OLD, draft_vocab=8192, matmul_dtype=dtype, log_every=steps, save_every=steps)
+        cfg = TrainConfig(steps=steps, **OLD, draft_vocab=8192, matmul_dtype=dtype, log_every=steps, save_every=steps, save_minutes=0)
         workdir = Path(tempfile.mkdtemp(prefix=f"train-learn-{dtype}-"))
         (workdir / "features").symlink_to(features)  # both runs read one feature store
         t0 = time.perf_counter()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from bastion_jax.modeling import attention, prefix_kernel
-from bastion_jax.modeling.attention import _group, attend, attend_split, empty, set_prefix_kernel
+from bastion_jax.modeling.attention import group_queries, attend, attend_split, empty, set_prefix_kernel
 from bastion_jax.modeling.cache import write_rows
 
 
@@ -34,7 +34,7 @@ def test_kernel_partial_equals_the_xla_loop(t, lengths):
     rng = np.random.default_rng(t)
     q, k_cache, v_cache = _inputs(rng, len(lengths), t, 256)
     length = jnp.asarray(lengths, jnp.int32)
-    qg = _group(q, k_cache.shape[1])
+    qg = group_queries(q, k_cache.shape[1])
     want = attention.prefix(empty(q, k_cache.shape[1]), qg, k_cache, v_cache, length)
     got = prefix_kernel.prefix(qg, k_cache, v_cache, length, interpret=True)
     seen = np.asarray(lengths) > 0
@@ -53,7 +53,7 @@ def test_kernel_reads_one_layer_of_a_stacked_cache(t):
     k_stack = jnp.asarray(rng.normal(size=(3, 2, 2, 128, 16)) * 3, jnp.float32)
     v_stack = jnp.asarray(rng.normal(size=(3, 2, 2, 128, 16)), jnp.float32)
     length = jnp.asarray([10, 100], jnp.int32)
-    qg = _group(q, 2)
+    qg = group_queries(q, 2)
     for layer in (0, 2):
         want = attention.prefix(empty(q, 2), qg, k_stack[layer], v_stack[layer], length)
         got = jax.jit(lambda i: prefix_kernel.prefix(qg, k_stack, v_stack, length, i, interpret=True))(jnp.int32(layer))
@@ -66,7 +66,7 @@ def test_stale_slots_never_reach_the_output():
     rng = np.random.default_rng(0)
     q, k_cache, v_cache = _inputs(rng, 2, 3, 128)
     length = jnp.asarray([10, 70], jnp.int32)
-    qg = _group(q, 2)
+    qg = group_queries(q, 2)
     clean = prefix_kernel.prefix(qg, k_cache, v_cache, length, interpret=True)
     dirty = prefix_kernel.prefix(qg, k_cache.at[:, :, 70:].set(jnp.nan).at[0, :, 10:].set(jnp.nan),
                                  v_cache.at[:, :, 70:].set(jnp.nan).at[0, :, 10:].set(jnp.nan), length, interpret=True)
@@ -176,7 +176,7 @@ def test_compiled_kernel_equals_the_xla_loop_on_gpu(dtype, t, lengths):
     rng = np.random.default_rng(7)
     q, k_cache, v_cache = _inputs(rng, len(lengths), t, 8192, hq=32, hkv=8, d=128, dtype=dtype)
     length = jnp.asarray(lengths, jnp.int32)
-    qg = _group(q, 8)
+    qg = group_queries(q, 8)
     want = attention.prefix(empty(q, 8), qg, k_cache, v_cache, length)
     got = prefix_kernel.prefix(qg, k_cache, v_cache, length)
     seen = np.asarray(lengths) > 0

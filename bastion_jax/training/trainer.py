@@ -148,7 +148,10 @@ class Trainer:
                                      f"2026-11-26); start a new --out from its export with --init ({type(e).__name__})"
                                      ) from None
         meta = restored["meta"]
-        if meta.get("train_config") != dataclasses.asdict(self.cfg):
+        # (when checkpoints are taken does not change the run: not worth a note)
+        bookkeeping = ("save_every", "save_minutes", "log_every", "eval_every")
+        saved = {k: v for k, v in (meta.get("train_config") or {}).items() if k not in bookkeeping}
+        if saved != {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in bookkeeping}:
             self.log(f"note: resuming step {step} with a different training config than the one saved")
         self.log(f"resumed from {self.workdir / 'checkpoints'} at step {step}")
         self._progress = float(meta.get("progress", 0.0))  # how far a time-cut run had annealed
