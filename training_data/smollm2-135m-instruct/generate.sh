@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18 p19 c20 c21; do
+for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18 p19 c20 c21 m22; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
@@ -87,3 +87,9 @@ for seed in 20 21; do
     ${chat/--temperature 0.7/--temperature 0}
   python -m bastion_jax.train_drafter pack --data runs/data/c$seed.jsonl --out $here/c$seed.npz --vocab-size 49152
 done
+# More maths and methods (2026-12-04, the background of a CPU-only session: MATH-500 and HumanEval are
+# the evaluation kinds the drafter accepts least after chat): 900 maths problems of the target's own
+# (seed 22, magpie_prompts_m22) and 600 method-completion prompts, as m18; T = 0.
+python -m bastion_jax.train_drafter data --out runs/data/m22.jsonl --num 1500 --seed 22 --sources --stdlib 0 \
+  --methods 600 --magpie 900 --magpie-openers math --temperature 0
+python -m bastion_jax.train_drafter pack --data runs/data/m22.jsonl --out $here/m22.npz --vocab-size 49152
