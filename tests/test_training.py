@@ -241,6 +241,18 @@ def test_validation_reads_the_same_rows_whatever_the_batch_size(pair, toy_data, 
     assert len(np.concatenate(seen)) == 6
 
 
+class FakeClock:
+    """Stands in for the trainer's `time` module: every `perf_counter()` reading is `tick` seconds later,
+    so wall-time rules run the same on any machine."""
+
+    def __init__(self, tick: float):
+        self.t, self.tick = 0.0, tick
+
+    def perf_counter(self) -> float:
+        self.t += self.tick
+        return self.t
+
+
 def test_learning_rate_follows_the_dflash_schedule():
     """The injected rate equals optax's warm-up + cosine schedule (to 10%) at every step, and a
     wall-time progress past the step count moves it on."""
@@ -262,20 +274,13 @@ def test_max_seconds_stops_resumably_and_anneals(pair, toy_data, tmp_path, monke
     warm-up and decay); a rerun resumes there. A fake clock makes it independent of machine speed."""
     from bastion_jax.training import trainer as trainer_module
 
-    class Clock:  # every reading advances 10 ms
-        t = 0.0
-
-        def perf_counter(self):
-            self.t += 0.01
-            return self.t
-
     target, drafter = pair
     train, val = TokenDataset(toy_data, seq_len=32, vocab_size=target.config.vocab_size).split(4)
     cfg = TrainConfig(steps=100_000, batch_size=4, seq_len=32, num_anchors=8, lr=1e-2, log_every=10,
                       save_every=50_000, eval_every=50_000)
     rates, seen = [], []
     real = trainer_module.set_learning_rate
-    monkeypatch.setattr(trainer_module, "time", Clock())
+    monkeypatch.setattr(trainer_module, "time", FakeClock(0.01))  # every reading 10 ms later
     monkeypatch.setattr(trainer_module, "set_learning_rate", lambda s, lr: rates.append(lr) or real(s, lr))
     Trainer(target, drafter, cfg, tmp_path, log=seen.append).fit(train, val, progress=False, max_seconds=1.0)
     stopped = len(rates)
@@ -299,16 +304,9 @@ def test_checkpoints_follow_the_clock_as_well_as_the_steps(pair, toy_data, tmp_p
     0 keeps the step rule alone. A fake clock (every reading 10 s later) makes it exact."""
     from bastion_jax.training import trainer as trainer_module
 
-    class Clock:
-        t = 0.0
-
-        def perf_counter(self):
-            self.t += 10.0
-            return self.t
-
     target, drafter = pair
     train, _ = TokenDataset(toy_data, seq_len=32, vocab_size=target.config.vocab_size).split(4)
-    monkeypatch.setattr(trainer_module, "time", Clock())
+    monkeypatch.setattr(trainer_module, "time", FakeClock(10.0))
     real = Trainer._save
     for minutes, want in ((0.0, [5]), (0.4, [1, 2, 3, 4, 5]), (60.0, [5])):
         saved = []
