@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18 p19 c20 c21 m22; do
+for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18 p19 c20 c21 m22 c23; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
@@ -93,3 +93,7 @@ done
 python -m bastion_jax.train_drafter data --out runs/data/m22.jsonl --num 1500 --seed 22 --sources --stdlib 0 \
   --methods 600 --magpie 900 --magpie-openers math --temperature 0
 python -m bastion_jax.train_drafter pack --data runs/data/m22.jsonl --out $here/m22.npz --vocab-size 49152
+# One more greedy opener-seeded chat set (2026-12-05, right after m22), as c20 / c21.
+python -m bastion_jax.train_drafter data --out runs/data/c23.jsonl --num 1500 --seed 23 --magpie 1500 --magpie-openers \
+  ${chat/--temperature 0.7/--temperature 0}
+python -m bastion_jax.train_drafter pack --data runs/data/c23.jsonl --out $here/c23.npz --vocab-size 49152
