@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     from bastion_jax.presets import PRESETS
 
     p = Parser(prog="python -m bastion_jax.profile", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", help=f"named architecture with random weights: {', '.join(PRESETS)}")
     p.add_argument("--target", help="target checkpoint (converted dir, HF dir or .gguf)")
     p.add_argument("--drafter", help="with --target: DFlash drafter dir, or 'random' (default: a tiny random drafter "
@@ -180,7 +180,6 @@ def setup(args, log=lambda msg: None) -> Setup:
         log(f"building {args.arch} ({tcfg.num_hidden_layers} layers, {tcfg.param_count() / 1e6:.0f}M params) + "
             f"{dcfg.num_hidden_layers}-layer drafter, random {jnp.dtype(dtype).name} weights")
         target, drafter = random_models(tcfg, dcfg, dtype, args.seed)
-        check_cond_head(getattr(args, "cond_head", "auto"), drafter)  # (random: no head)
         label = args.arch + (f"-L{args.layers}" if args.layers else "") + ("-scanned" if tcfg.scan_layers else "")
         model_name = with_lookup(f"arch:{label}|random", lookup is not None)
         draft_vocab = datastore = None
@@ -197,13 +196,13 @@ def setup(args, log=lambda msg: None) -> Setup:
         else:
             drafter = load_drafter(drafter_arg, target.config, target.dtype,
                                    cond_head=resolve_cond_head(getattr(args, "cond_head", "auto")))
-        check_cond_head(getattr(args, "cond_head", "auto"), drafter)
         cache_len = plan_cache_len(contexts, buckets, drafter.config.block_size,
                                    target.config.max_position_embeddings, args.max_len)
         label = (Path(args.target).name.split(".")[0] or "target") + ("-scanned" if target.config.scan_layers else "")
         draft_vocab = resolve_draft_vocab(target, drafter, getattr(args, "draft_vocab", "auto"))
         datastore = resolve_datastore(getattr(args, "datastore", "auto"), target, drafter, lookup)
         model_name = None
+    check_cond_head(getattr(args, "cond_head", "auto"), drafter)  # (--arch's drafter is random: no head)
     engine = Engine(target, None, drafter=drafter, stop_ids=[], buckets=buckets, top_k=args.tree_top_k,
                     draft_vocab=draft_vocab, lookup=lookup, datastore=datastore,
                     cond_depths=getattr(args, "cond_depths", None), cond_candidates=getattr(args, "cond_candidates", None))

@@ -106,8 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gamma", type=float, help="loss decay (default: 7 for B=16, 5 for 10, 4 for 8)")
     t.add_argument("--held-out", type=int, default=64, help="sequences kept aside for validation (default 64)")
     t.add_argument("--log-every", type=int, default=10)
-    t.add_argument("--save-every", type=positive_int, default=200, help="checkpoint (under OUT/checkpoints, for --resume) every N steps (default 200)")
-    t.add_argument("--save-minutes", type=_minutes, default=5.0, help="... and whenever this many minutes passed since the last checkpoint (default 5; 0: by steps only)")
+    t.add_argument("--save-every", type=positive_int, default=200, help="checkpoint (under OUT/checkpoints, for "
+                   "--resume) every N steps (default 200)")
+    t.add_argument("--save-minutes", type=_minutes, default=5.0, help="... and whenever this many minutes passed "
+                   "since the last checkpoint (default 5; 0: by steps only)")
     t.add_argument("--eval-every", type=int, default=0)
     t.add_argument("--walk-rows", type=int, default=32, help="held-out rows whose first --walk-window response "
                    "positions validation walks as greedy decoding does (the tau that picks the best step; 0: the "
@@ -159,30 +161,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive_seconds(text: str) -> float:
-    """--max-seconds: a finite number of seconds > 0."""
+def _finite(unit: str, zero_ok: bool):
+    """An argparse type for a finite number of `unit` above 0 (or at least 0 with `zero_ok`): --max-seconds,
+    --save-minutes; anything else is refused while parsing."""
     import math
 
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
-    return value
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+            raise argparse.ArgumentTypeError(f"must be a number of {unit} {'>=' if zero_ok else '>'} 0, got {text!r}")
+        return value
+
+    return parse
 
 
-def _minutes(text: str) -> float:
-    """--save-minutes: a finite number of minutes >= 0."""
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a number of minutes >= 0, got {text!r}")
-    return value
+_positive_seconds = _finite("seconds", zero_ok=False)
+_minutes = _finite("minutes", zero_ok=True)
 
 
 def drafter_config(target_cfg, args):

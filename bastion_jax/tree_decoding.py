@@ -81,14 +81,14 @@ def _next_tree(cfg: StepConfig, target, drafter, drafter_cache, features, ctx_st
     ids = draft_vocab.ids if draft_vocab is not None else None  # columns of a reduced vocabulary -> token ids
     if cfg.cond_depths < 2:
         law = None
-    tree, curve = draft_trees(cfg.buckets, cfg.top_k, cfg.cond_depths if law is not None else 0, root, logits, ids, chain,
-                         law)
+    tree, curve = draft_trees(cfg.buckets, cfg.top_k, cfg.cond_depths if law is not None else 0, root, logits, ids,
+                              chain, law)
     return tree, curve, drafter_cache
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2))
 def draft_trees(buckets: tuple[int, ...], top_k: int, cond_depths: int, root: jax.Array, logits: jax.Array,
-           ids: Optional[jax.Array], chain: Optional[Chain], law: Optional[HeadLaw]) -> tuple[Tree, jax.Array]:
+                ids: Optional[jax.Array], chain: Optional[Chain], law: Optional[HeadLaw]) -> tuple[Tree, jax.Array]:
     """Every row's best-first tree from the draft's logits [b, B-1, vocab or N], and its surrogate
     curve [b, n_buckets]; with a conditioned head's `law`, depths 2..cond_depths from each parent's
     own law. A nested jit, like `lookup.current_chain`: traced and lowered once per program instead

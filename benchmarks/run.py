@@ -52,7 +52,7 @@ def identity_cell(identical: bool | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m benchmarks.run", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", nargs="+", default=list(STANDARD_SETS),
                    help="standard sets by name (" + ", ".join(STANDARD_SETS) + "; read from ../shared/data beside "
                    "the checkout) and/or JSONL(.gz) files with a prompt field (default: every standard set)")

@@ -55,11 +55,12 @@ python -m bastion_jax.train_drafter pack --data runs/data/c10.jsonl --out $here/
 # (2026-11-27, for the next GPU trainer), seed 12 (2026-11-28), seeds 13 and 14 (2026-12-02), each made
 # on CPU in the background of a session. Seeds 11-14 sampled batch i with seed + i, so they mostly
 # repeat c10 (README.md); seeds 15 and 16 (2026-12-02) draw one stream per (seed, batch) and are new.
-for seed in 11 12 13 14 15 16; do
-  python -m bastion_jax.train_drafter data --out runs/data/c$seed.jsonl --num 1500 --seed $seed --magpie 1500 --magpie-openers \
+greedy_chat() {  # seed: 1500 opener-seeded Magpie prompts of the target's own, greedy responses -> c$1.npz
+  python -m bastion_jax.train_drafter data --out runs/data/c$1.jsonl --num 1500 --seed $1 --magpie 1500 --magpie-openers \
     ${chat/--temperature 0.7/--temperature 0}
-  python -m bastion_jax.train_drafter pack --data runs/data/c$seed.jsonl --out $here/c$seed.npz --vocab-size 49152
-done
+  python -m bastion_jax.train_drafter pack --data runs/data/c$1.jsonl --out $here/c$1.npz --vocab-size 49152
+}
+for seed in 11 12 13 14 15 16; do greedy_chat $seed; done
 # Kinds the sets above lack (2026-12-04): 800 LaTeX competition-style problems the target writes from
 # maths openers (--magpie-openers math, magpie_prompts_m17) and 700 function-completion prompts (a
 # signature and docstring from the standard library's sources, body left out; --docstrings, which reads
@@ -82,11 +83,7 @@ python -m bastion_jax.train_drafter data --out runs/data/p19.jsonl --num 1200 --
 python -m bastion_jax.train_drafter pack --data runs/data/p19.jsonl --out $here/p19.npz --vocab-size 49152
 # Two more greedy opener-seeded chat sets (2026-12-04, the background of a CPU-only session; chat is still
 # the kind the drafter accepts least): seeds 20 and 21 as c15 / c16, 1500 prompts each.
-for seed in 20 21; do
-  python -m bastion_jax.train_drafter data --out runs/data/c$seed.jsonl --num 1500 --seed $seed --magpie 1500 --magpie-openers \
-    ${chat/--temperature 0.7/--temperature 0}
-  python -m bastion_jax.train_drafter pack --data runs/data/c$seed.jsonl --out $here/c$seed.npz --vocab-size 49152
-done
+for seed in 20 21; do greedy_chat $seed; done
 # More maths and methods (2026-12-04, the background of a CPU-only session: MATH-500 and HumanEval are
 # the evaluation kinds the drafter accepts least after chat): 900 maths problems of the target's own
 # (seed 22, magpie_prompts_m22) and 600 method-completion prompts, as m18; T = 0.
@@ -94,6 +91,4 @@ python -m bastion_jax.train_drafter data --out runs/data/m22.jsonl --num 1500 --
   --methods 600 --magpie 900 --magpie-openers math --temperature 0
 python -m bastion_jax.train_drafter pack --data runs/data/m22.jsonl --out $here/m22.npz --vocab-size 49152
 # One more greedy opener-seeded chat set (2026-12-05, right after m22), as c20 / c21.
-python -m bastion_jax.train_drafter data --out runs/data/c23.jsonl --num 1500 --seed 23 --magpie 1500 --magpie-openers \
-  ${chat/--temperature 0.7/--temperature 0}
-python -m bastion_jax.train_drafter pack --data runs/data/c23.jsonl --out $here/c23.npz --vocab-size 49152
+greedy_chat 23
