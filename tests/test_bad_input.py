@@ -345,13 +345,13 @@ def test_generate_cond_head_on_without_a_head_is_refused(capsys, _tiny, drafter,
     _one_error_line(err, "--cond-head on", fragment)
 
 
-def test_profile_cond_head_on_with_random_models_is_refused(capsys):
+def test_profile_cond_head_on_with_random_models_is_refused(capsys, tmp_path):
     """The profiler's --arch models are random (no conditioned head): --cond-head on is refused there too."""
     from bastion_jax import profile
 
     capsys.readouterr()
     rc = profile.main(["--arch", "smollm2-135m", "--layers", "1", "--cond-head", "on", "--contexts", "16",
-                       "--buckets", "1,4", "--quiet", "--out-dir", "unused"])
+                       "--buckets", "1,4", "--quiet", "--out-dir", str(tmp_path)])
     assert rc == 2
     _one_error_line(capsys.readouterr().err, "--cond-head on", "random drafter")
 
