@@ -50,11 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(Magpie: the chat template's user prefix, sampled), kept in OUT.magpie.jsonl (default 0)")
     d.add_argument("--magpie-temperature", type=float, default=1.0)
     d.add_argument("--magpie-max-tokens", type=int, default=96, help="longest self-written prompt (default 96)")
-    d.add_argument("--magpie-openers", nargs="?", const="chat", choices=["chat", "math"],
+    d.add_argument("--magpie-openers", nargs="?", const="chat", choices=["chat", "math", "code"],
                    help="start each self-written prompt with an opening phrase of a kind "
                    "(training.prompt_sources.OPENER_SETS): chat (the default when given bare: write, explain, "
-                   "role-play, solve, code, extract, ...; spreads prompts over a chat benchmark's kinds) or math "
-                   "(competition-style LaTeX problems: 'Let $f(x) =', 'How many positive integers', ...)")
+                   "role-play, solve, code, extract, ...; spreads prompts over a chat benchmark's kinds), math "
+                   "(competition-style LaTeX problems: 'Let $f(x) =', 'How many positive integers', ...) or code "
+                   "(programming tasks: 'Write a Python function that', 'Given a list of integers,', ...)")
     d.add_argument("--docstrings", type=int, default=0, help="also use up to N function-completion prompts: a "
                    "signature and docstring from the Python standard library's sources, body left out (default 0)")
     d.add_argument("--methods", type=int, default=0, help="also use up to N method-completion prompts: a class "

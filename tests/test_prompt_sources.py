@@ -3,8 +3,8 @@
 import pytest
 
 from bastion_jax.training.prompt_sources import _PASSAGE_TASKS as _TASKS
-from bastion_jax.training.prompt_sources import (MAGPIE_OPENERS, MATH_OPENERS, OPENER_SETS, _chunks, docstring_prompts,
-                                                 method_prompts, passage_prompts)
+from bastion_jax.training.prompt_sources import (CODE_OPENERS, MAGPIE_OPENERS, MATH_OPENERS, OPENER_SETS, _chunks,
+                                                 docstring_prompts, method_prompts, passage_prompts)
 
 LIB = '''"""A module."""
 
@@ -86,11 +86,12 @@ def test_docstring_prompts_mix_bare_code_and_instructions(tmp_path):
 def test_opener_sets_and_the_cli_choice():
     from bastion_jax.train_drafter import build_parser
 
-    assert OPENER_SETS == {"chat": MAGPIE_OPENERS, "math": MATH_OPENERS}
+    assert OPENER_SETS == {"chat": MAGPIE_OPENERS, "math": MATH_OPENERS, "code": CODE_OPENERS}
     assert any("$" in o for o in MATH_OPENERS)  # LaTeX-style problems
     parse = lambda *a: build_parser().parse_args(["data", "--out", "o.jsonl", *a])  # noqa: E731
     assert parse("--magpie-openers").magpie_openers == "chat"  # bare flag: the chat openers, as before
     assert parse("--magpie-openers", "math").magpie_openers == "math"
+    assert parse("--magpie-openers", "code").magpie_openers == "code"
     assert parse().magpie_openers is None
     assert parse("--docstrings", "7").docstrings == 7
     assert parse("--methods", "5").methods == 5 and parse().methods == 0

@@ -241,4 +241,21 @@ MATH_OPENERS = (
     "Find the minimum value of", "Let $n$ be", "The polynomial", "Find the domain of", "Solve the inequality",
 )
 
-OPENER_SETS = {"chat": MAGPIE_OPENERS, "math": MATH_OPENERS}
+# Programming tasks. The code in the training splits is code_alpaca_2k's 2,000 short requests (reused
+# by every sampled set) and the standard library's own completions; code requests the target writes
+# from these generic openings (no benchmark text) add self-contained function, class and script tasks,
+# and the target's greedy answers to them are the code it writes at decoding time.
+CODE_OPENERS = (
+    "Write a Python function that", "Write a function to", "Write a Python function to", "Write a program that",
+    "Write a Python script that", "Implement a function", "Implement a Python class", "Create a class",
+    "Write a recursive function", "Given a list of integers,", "Given a string,", "Given two lists,",
+    "Given a dictionary", "Given a sorted array", "Given a binary tree,", "Given a matrix", "Write a generator",
+    "Write a decorator", "Write a function that takes", "Write a function that returns", "Write a one-line",
+    "Write unit tests for", "Refactor this Python code", "What does this Python code do?", "Fix the bug in",
+    "Optimize this function", "Write a SQL query", "Write a JavaScript function", "Write a bash script",
+    "Implement a stack", "Implement a queue", "Implement a linked list", "Implement the algorithm",
+    "Parse a", "Read a CSV file", "Count the number of", "Check whether", "Find the longest", "Sort a list of",
+    "Convert a", "Remove duplicates from", "Merge two", "Write a regular expression",
+)
+
+OPENER_SETS = {"chat": MAGPIE_OPENERS, "math": MATH_OPENERS, "code": CODE_OPENERS}
