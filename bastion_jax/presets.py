@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-
-import jax
-import jax.numpy as jnp
-from flax import nnx
+from typing import TYPE_CHECKING
 
 from bastion_jax.config import RopeConfig, TargetConfig
 from bastion_jax.dflash_config import DrafterConfig
+
+if TYPE_CHECKING:  # JAX itself is imported where a model is built: `profile --help` lists PRESETS without it
+    import jax.numpy as jnp
+    from flax import nnx
 
 
 class PresetError(ValueError):
@@ -92,6 +93,9 @@ def preset_configs(name: str, layers: int | None = None, drafter_layers: int | N
 def init_on_device(cfg: TargetConfig | DrafterConfig, dtype: jnp.dtype, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state) of a randomly initialised module, the parameters created by one jitted
     init on the default device directly in `dtype` (no host copy, no float32 detour)."""
+    import jax
+    from flax import nnx
+
     from bastion_jax.modeling.drafter import Drafter
     from bastion_jax.modeling.transformer import Transformer
 
@@ -112,6 +116,8 @@ def _unstack_freeing(layers: dict) -> dict[int, dict]:
     """Stacked `[num_layers, ...]` leaves -> `{i: layer i}`, the layout `checkpoints.params.unstack_layers`
     gives, but each stacked leaf dropped once sliced (this function owns the stack; that one leaves its
     input whole), so the weights are held about once, not twice (Qwen3-8B's layers: ~14 GiB in bf16)."""
+    import jax
+
     leaves, treedef = jax.tree.flatten(layers)
     del layers
     n = leaves[0].shape[0]
