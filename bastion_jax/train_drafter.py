@@ -1,4 +1,4 @@
-"""`python -m bastion_jax.train_drafter {data,pack,train,eval}`: build a DFlash drafter for a target.
+"""`python -m bastion_jax.train_drafter {data,pack,datastore,train,eval}`: build a DFlash drafter for a target.
 
 `data` regenerates responses with the target itself (greedy, chat template) for prompts from
 training splits and the local Python standard library; `train` runs the DFlash objective with
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "or unpack a .npz back to JSONL (to resume `data` on it)")
     k.add_argument("--data", nargs="+", required=True, help="JSONL / .npz files written by data or pack")
     k.add_argument("--out", required=True, help=".npz file to write (or .jsonl: unpack)")
-    k.add_argument("--vocab-size", type=int, default=None, help="target vocabulary (default: read from --target)")
+    k.add_argument("--vocab-size", type=int, default=None, help="target vocabulary (default: the largest token id + 1)")
     k.add_argument("--quiet", action="store_true")
 
     s = sub.add_parser("datastore", help="build a datastore of target-written text (datastore.npz beside a "

@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", help="target checkpoint (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", help="drafter dir, or 'random' (default: the shipped drafter with the default "
                    "target, else random)")
-    p.add_argument("--modes", help="comma-separated policies to run (default: ar, dflash, the fixed sweep, bastion); "
+    p.add_argument("--modes", help="comma-separated policies to run (default: ar, dflash, the fixed sweep, bastion, "
+                   "and bastion-paper when the largest bucket is >= 32); "
                    "ar always runs: it is the reference for identity and ratios")
     p.add_argument("--block-size", type=int, help="block size of a --drafter random (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=64)

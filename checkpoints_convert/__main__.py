@@ -1,4 +1,5 @@
-"""`python -m checkpoints_convert SRC OUT`: HF safetensors dir or GGUF file -> bastion_jax checkpoint."""
+"""`python -m checkpoints_convert SRC OUT`: HF safetensors dir, GGUF file or z-lab DFlash drafter dir ->
+bastion_jax checkpoint."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from bastion_jax.cli import Parser
 def main(argv: list[str] | None = None) -> int:
     p = Parser(
         prog="python -m checkpoints_convert",
-        description="Convert a Hugging Face safetensors directory (sharded or not) or a GGUF file "
-                    "into an orbax checkpoint + config.json + tokenizer that bastion_jax loads.")
-    p.add_argument("src", help="HF model directory (config.json + *.safetensors) or a .gguf file")
+        description="Convert a Hugging Face safetensors directory (sharded or not), a GGUF file or a z-lab "
+                    "DFlash drafter directory into an orbax checkpoint + config.json (+ the tokenizer, for a "
+                    "target) that bastion_jax loads.")
+    p.add_argument("src", help="HF model directory (config.json + *.safetensors), a .gguf file or a z-lab DFlash "
+                   "drafter directory")
     p.add_argument("out", help="output directory (created; must be empty if it exists)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="parameter dtype to store (default: bfloat16)")

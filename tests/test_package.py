@@ -12,7 +12,7 @@ import bastion_jax
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIS = ["bastion_jax.generate", "bastion_jax.profile", "bastion_jax.train_drafter", "checkpoints_convert",
-        "benchmarks.run", "benchmarks.step_costs"]
+        "benchmarks.run", "benchmarks.step_costs", "benchmarks.cond_head_tree_cost"]
 
 
 def test_every_public_name_is_its_defining_module_object():

@@ -8,14 +8,14 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18 p19 c20 c21 m22 c23; do
+for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18 p19 c20 c21 m22 c23 k24; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
   prompts=$here/magpie_prompts.jsonl.gz
   [ $kind = t07s3 ] && prompts=$here/magpie_prompts_s3.jsonl.gz  # its own self-written prompts (seed 3; 300 used)
   [ $kind = t07s4 ] && prompts=$here/magpie_prompts_s4.jsonl.gz  # likewise (seed 4)
-  case $kind in c[0-9]*|m[0-9]*|p[0-9]*) prompts=$here/magpie_prompts_$kind.jsonl.gz ;; esac  # the chat / maths sets' own
+  case $kind in c[0-9]*|m[0-9]*|p[0-9]*|k[0-9]*) prompts=$here/magpie_prompts_$kind.jsonl.gz ;; esac  # the chat / maths / code sets' own
   if [ -f $prompts ] && [ ! -f runs/data/$kind.jsonl.magpie.jsonl ]; then
     gunzip -c $prompts > runs/data/$kind.jsonl.magpie.jsonl
   fi
@@ -92,3 +92,8 @@ python -m bastion_jax.train_drafter data --out runs/data/m22.jsonl --num 1500 --
 python -m bastion_jax.train_drafter pack --data runs/data/m22.jsonl --out $here/m22.npz --vocab-size 49152
 # One more greedy opener-seeded chat set (2026-12-05, right after m22), as c20 / c21.
 greedy_chat 23
+# Code (2026-12-05): 1500 programming tasks the target wrote from the code openers (`--magpie-openers
+# code`: 'Write a Python function that', 'Given a list of integers,', ...; seed 24), greedy responses.
+python -m bastion_jax.train_drafter data --out runs/data/k24.jsonl --num 1500 --seed 24 --sources --stdlib 0 \
+  --magpie 1500 --magpie-openers code --max-new-tokens 256 --batch-size 48 --temperature 0
+python -m bastion_jax.train_drafter pack --data runs/data/k24.jsonl --out $here/k24.npz --vocab-size 49152
