@@ -194,9 +194,16 @@ class Executables:
         tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
         prefill = self.compiled(decoding.prefill, ("prefill", cfg, batch, bucket, cache_len),
                                 (cfg, self.target_params, tcache, jax.ShapeDtypeStruct((batch, bucket), i32), rows, rng))
-        step = self.compiled(decoding.decode, ("decode", cfg, batch, cache_len),  # not per prompt bucket
+        return prefill, self.decode(batch, cache_len, sampling)
+
+    def decode(self, batch: int, cache_len: int, sampling: SamplingConfig):
+        """AR's one-token step alone (not per prompt bucket: every `ar` of these shapes shares it)."""
+        cfg = self.config(sampling)
+        rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        rng = sampler(jax.random.PRNGKey(0), sampling)
+        tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
+        return self.compiled(decoding.decode, ("decode", cfg, batch, cache_len),
                              (cfg, self.target_params, tcache, rows, rows, rng, jax.ShapeDtypeStruct((batch,), bool)))
-        return prefill, step
 
     def forward(self, batch: int, cache_len: int, t: int):
         """The plain t-token causal forward (`decoding.forward`): the profiler's yardstick for verify(t)."""

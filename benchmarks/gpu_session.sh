@@ -32,7 +32,9 @@
 # calls are cut to what answers their question:
 #   1. carry .device/p1: `bash benchmarks/gpu_session.sh stash && BUCKETS=1,64 CONTEXTS=2048
 #      timeout 190 bash benchmarks/gpu_session.sh perf` (timeout_s ~210): perf_8b's whole step at 8B
-#      shapes, tree steps and the bastion loop included, on a reduced grid (the full grid took ~330-360 s);
+#      shapes, tree steps and the bastion loop included, on a reduced grid (the full grid took ~330-360 s),
+#      then a profiler trace of 5 AR and 5 verify(64) steps summarised per XLA op (`benchmarks/step_trace.py`:
+#      trace-pallas/step-trace.md; where the AR step's missing 43% and verify(64)'s extra 25% go);
 #   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash && timeout 110 bash benchmarks/gpu_session.sh
 #      floor` (timeout_s ~125): where the AR step's missing 43% goes (XLA's products alone, separate vs
 #      q|k|v and gate|up side by side, CUDA graphs as they are / on for every kind / off);
@@ -93,7 +95,10 @@ case "$step" in
     [ "$step" = perf-xla ] && mode=xla
     python3 -m benchmarks.perf_8b --prefix-attention "$mode" --layers-layout "${LAYOUT:-auto}" \
       --buckets "${BUCKETS:-1,16,32,64,128,256}" --contexts "${CONTEXTS:-1024,2048}" \
-      --name "perf-qwen3-8b-$mode" --out-dir "$OUT" --compilation-cache /tmp/jax-cache 2>&1 | tee "$OUT/perf-$mode.log"
+      --name "perf-qwen3-8b-$mode" --out-dir "$OUT" --compilation-cache /tmp/jax-cache \
+      --trace "$OUT/trace-$mode" 2>&1 | tee "$OUT/perf-$mode.log"
+    # (the trace: 5 AR and 5 verify(largest bucket) steps under jax.profiler, after the results are
+    # written; $OUT/trace-$mode/step-trace.md names the ops that hold each step's time)
     ;;
   probe)
     # scanned layers compile one body whatever the depth: 4 of them probe the same body as 36, faster

@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compilation-cache", help="JAX persistent compilation cache dir (re-runs skip compiles)")
     p.add_argument("--name", help="results file stem (default perf-<arch>-<device>)")
     p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--trace", metavar="DIR", help="also trace a few AR and verify(largest bucket) steps at the "
+                   "longest context with jax.profiler into DIR and summarise them per XLA op (`benchmarks.step_trace`: "
+                   "DIR/step-trace.md)")
+    p.add_argument("--trace-steps", type=int, default=5, help="steps of each kind traced (default 5)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a criterion fails")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -271,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     plot(prof, out_dir / f"{name}.png", f"{name}: {s.label} on {meta['device']} ({meta['dtype']})")
     print(text, end="")
     print(f"wrote {out_dir / name}.json, .md, .png")
+    if args.trace:  # after the results are written: a trace that fails or runs out of time loses nothing else
+        from benchmarks.step_trace import take
+
+        take(engine, s.cache_len, max(s.contexts), max(engine.buckets), args.trace_steps, args.trace, log)
     failed = [c["name"] for c in crit if c["pass"] is False]
     return 1 if args.strict and failed else 0
 

@@ -193,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quiet:
         print(text, end="")
     log(f"wrote {out / name}.json and .md")
+    if args.trace:  # after the results are written (as perf_8b)
+        from benchmarks.step_trace import take
+
+        take(s.engine, s.cache_len, max(s.contexts), max(s.engine.buckets), args.trace_steps, args.trace, log)
     failed = [c["name"] for c in r["criteria"] if c["pass"] is False]
     return 1 if args.strict and failed else 0
 

@@ -255,9 +255,15 @@ def test_verify_probe_times_the_target_side_without_compiling_tree_steps(tmp_pat
         return real(self, fn, key, args, static)
 
     monkeypatch.setattr(Executables, "compiled", spy)
-    rc = verify_probe.main(TINY + ["--layers-layout", "scanned", "--out-dir", str(tmp_path), "--name", "vp", "--quiet"])
+    rc = verify_probe.main(TINY + ["--layers-layout", "scanned", "--out-dir", str(tmp_path), "--name", "vp", "--quiet",
+                                   "--trace", str(tmp_path / "trace"), "--trace-steps", "3"])
     assert rc == 0
-    assert set(compiled) == {"prefill", "decode", "tree_verify", "forward"}, compiled
+    assert set(compiled) == {"prefill", "decode", "tree_verify", "forward"}, compiled  # the trace compiled nothing
+    traced = json.loads((tmp_path / "trace" / "step-trace.json").read_text())
+    programs = {m: v for m, v in traced["modules"].items() if "decode" in m or "tree_verify" in m}
+    assert len(programs) == 2, list(traced["modules"])  # the AR step and verify(16), each run 3 times traced
+    assert all(v["executions"] == 3 and v["device_us_per_execution"] > 0 for v in programs.values()), programs
+    assert "## " in (tmp_path / "trace" / "step-trace.md").read_text()
     data = json.loads((tmp_path / "vp.json").read_text())
     r, m = data["ratios"], data["measured"]
     assert set(r["ar_floor_ratio"]) == {str(c) for c in CONTEXTS}
@@ -280,8 +286,11 @@ def test_verify_probe_times_the_target_side_without_compiling_tree_steps(tmp_pat
 def test_perf_8b_writes_its_ratios_at_a_tiny_shape(tmp_path):
     from benchmarks import perf_8b
 
-    rc = perf_8b.main(TINY + ["--gen-tokens", "3", "--out-dir", str(tmp_path), "--name", "perf", "--quiet"])
+    rc = perf_8b.main(TINY + ["--gen-tokens", "3", "--out-dir", str(tmp_path), "--name", "perf", "--quiet",
+                              "--trace", str(tmp_path / "trace"), "--trace-steps", "2"])
     assert rc == 0
+    traced = json.loads((tmp_path / "trace" / "step-trace.json").read_text())
+    assert traced["steps"] == 2 and traced["bucket"] == max(BUCKETS) and traced["context"] == max(CONTEXTS)
     data = json.loads((tmp_path / "perf.json").read_text())
     r = data["ratios"]
     assert set(r["ar_floor_ratio"]) == {str(c) for c in CONTEXTS}

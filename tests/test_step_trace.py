@@ -1,0 +1,54 @@
+"""benchmarks.step_trace's summary on hand-made traces: device tracks only, leaves only, executions."""
+
+import gzip
+import json
+
+import pytest
+
+from benchmarks import step_trace
+
+
+def op(name, ts, dur, module="jit_decode", run="1", pid=1, tid=7):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid,
+            "args": {"hlo_op": name, "hlo_module": module, "run_id": run}}
+
+
+def write(tmp_path, events):
+    path = tmp_path / "host.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return path
+
+
+def test_device_tracks_leaves_and_executions(tmp_path):
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    events = []
+    for run, t0 in (("a", 0.0), ("b", 100.0)):  # two executions of one program
+        events += [op("gemm_fusion", t0, 30.0, run=run), op("loop_fusion", t0 + 40, 10.0, run=run),
+                   op("while.1", t0 + 50, 20.0, run=run), op("copy.2", t0 + 52, 5.0, run=run),  # nested in while
+                   op("gemm_fusion", t0, 999.0, run=run, pid=2)]  # the host's launch event: not device time
+    events.append({"ph": "X", "name": "end: gemm_fusion", "ts": 1.0, "dur": 1.0, "pid": 1, "tid": 7,
+                   "args": {"hlo_op": "gemm_fusion", "hlo_module": "jit_decode"}})
+    s = step_trace.summarise(write(tmp_path, meta + events))
+    m = s["modules"]["jit_decode"]
+    assert m["executions"] == 2
+    assert m["device_us_per_execution"] == pytest.approx(30 + 10 + 5)  # while.1 holds copy.2: counted once
+    assert m["span_us_per_execution"] == pytest.approx(57.0)  # 0 .. 57 in each run (gaps included)
+    assert [o["op"] for o in m["top"]] == ["gemm_fusion", "loop_fusion", "copy.2"]
+    assert m["top"][0]["share"] == pytest.approx(30 / 45) and m["top"][0]["kind"] == "product"
+    assert m["kinds_us_per_execution"] == pytest.approx({"product": 30.0, "fusion": 10.0, "copy": 5.0})
+    text = step_trace.markdown(s)
+    assert "## jit_decode" in text and "| gemm_fusion |" in text
+
+
+def test_without_device_tracks_every_op_counts_and_a_dir_finds_its_file(tmp_path, capsys):
+    (tmp_path / "plugins" / "profile" / "run").mkdir(parents=True)
+    events = [op("dot.1", 0, 4.0, module="jit_tree_verify", tid=t) for t in (1, 2)]  # two host threads, one run
+    path = write(tmp_path / "plugins" / "profile" / "run", events)
+    assert step_trace.trace_file(tmp_path) == path
+    m = step_trace.summarise(tmp_path)["modules"]["jit_tree_verify"]
+    assert m["executions"] == 2 and m["device_us_per_execution"] == pytest.approx(4.0)  # each count is a run
+    assert step_trace.main([str(tmp_path)]) == 0 and "jit_tree_verify" in capsys.readouterr().out
+    assert step_trace.main([str(tmp_path / "nothing")]) == 1
+    assert "no *.trace.json.gz" in capsys.readouterr().err
