@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "without one (a rerun without --resume also continues a checkpoint it finds, and says so)")
     t.add_argument("--max-seconds", type=_positive_seconds, help="stop after this much wall time (at a step boundary: "
                    "validated, checkpointed, exported; resumable), e.g. inside a session or device lease")
+    t.add_argument("--trace", metavar="DIR", help="trace three training steps (this process's 6th to 8th) with "
+                   "jax.profiler into DIR and summarise them per XLA op (DIR/step-trace.md: the target's feature "
+                   "forward against the drafter's step)")
     t.add_argument("--init-from-target", action="store_true", help="initialise the drafter's layers from the "
                    "target's last layers (its fc stays random)")
     add_eval_parser(sub, common)
@@ -336,7 +339,7 @@ def run_train(args, target, log) -> None:
                       reuse_features=tuple(Path(p) for p in args.reuse_features),
                       on_best=lambda state, ev: record(state, out / "best", validation=ev))
     trained = trainer.fit(train, val if len(val) else None, progress=not args.quiet, max_seconds=args.max_seconds,
-                          validate_start=bool(args.init))
+                          validate_start=bool(args.init), trace_dir=args.trace)
     export = record(trained.state, out / "drafter", best_validation=trainer.best())
     best = trainer.best() or {}
     what = "step 0: no trained step beat the --init drafter" if best.get("step") == 0 else f"step {best.get('step')}"

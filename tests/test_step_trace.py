@@ -1,10 +1,11 @@
-"""benchmarks.step_trace's summary on hand-made traces: device tracks only, leaves only, executions."""
+"""trace_report's summary on hand-made traces (device tracks only, leaves only, executions) and its CLI."""
 
 import gzip
 import json
 
 import pytest
 
+from bastion_jax import trace_report
 from benchmarks import step_trace
 
 
@@ -30,7 +31,7 @@ def test_device_tracks_leaves_and_executions(tmp_path):
                    op("gemm_fusion", t0, 999.0, run=run, pid=2)]  # the host's launch event: not device time
     events.append({"ph": "X", "name": "end: gemm_fusion", "ts": 1.0, "dur": 1.0, "pid": 1, "tid": 7,
                    "args": {"hlo_op": "gemm_fusion", "hlo_module": "jit_decode"}})
-    s = step_trace.summarise(write(tmp_path, meta + events))
+    s = trace_report.summarise(write(tmp_path, meta + events))
     m = s["modules"]["jit_decode"]
     assert m["executions"] == 2
     assert m["device_us_per_execution"] == pytest.approx(30 + 10 + 5)  # while.1 holds copy.2: counted once
@@ -38,7 +39,7 @@ def test_device_tracks_leaves_and_executions(tmp_path):
     assert [o["op"] for o in m["top"]] == ["gemm_fusion", "loop_fusion", "copy.2"]
     assert m["top"][0]["share"] == pytest.approx(30 / 45) and m["top"][0]["kind"] == "product"
     assert m["kinds_us_per_execution"] == pytest.approx({"product": 30.0, "fusion": 10.0, "copy": 5.0})
-    text = step_trace.markdown(s)
+    text = trace_report.markdown(s)
     assert "## jit_decode" in text and "| gemm_fusion |" in text
 
 
@@ -46,8 +47,8 @@ def test_without_device_tracks_every_op_counts_and_a_dir_finds_its_file(tmp_path
     (tmp_path / "plugins" / "profile" / "run").mkdir(parents=True)
     events = [op("dot.1", 0, 4.0, module="jit_tree_verify", tid=t) for t in (1, 2)]  # two host threads, one run
     path = write(tmp_path / "plugins" / "profile" / "run", events)
-    assert step_trace.trace_file(tmp_path) == path
-    m = step_trace.summarise(tmp_path)["modules"]["jit_tree_verify"]
+    assert trace_report.trace_file(tmp_path) == path
+    m = trace_report.summarise(tmp_path)["modules"]["jit_tree_verify"]
     assert m["executions"] == 2 and m["device_us_per_execution"] == pytest.approx(4.0)  # each count is a run
     assert step_trace.main([str(tmp_path)]) == 0 and "jit_tree_verify" in capsys.readouterr().out
     assert step_trace.main([str(tmp_path / "nothing")]) == 1

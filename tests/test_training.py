@@ -137,7 +137,12 @@ def test_toy_training_learns_resumes_and_exports(pair, toy_data, tmp_path, monke
         assert jax.tree.structure(params) == jax.tree.structure(drafter.state)
 
     Trainer(target, drafter, dataclasses_replace(cfg, steps=30), tmp_path, log=logs.append,
-            on_best=on_best).fit(train, val, progress=False)
+            on_best=on_best).fit(train, val, progress=False, trace_dir=tmp_path / "trace")
+    # --trace: this call's 6th-8th steps under the profiler, summarised per program (the training step's own)
+    traced = json.loads((tmp_path / "trace" / "step-trace.json").read_text())
+    steps_traced = {m: v["executions"] for m, v in traced["modules"].items() if "train_step" in m}
+    assert list(steps_traced.values()) == [3], traced["modules"].keys()
+    assert any(m.startswith("traced 3 training steps") for m in logs)
     trainer = Trainer(target, drafter, cfg, tmp_path, log=logs.append, on_best=on_best)
     trained = trainer.fit(train, val, progress=False)
     assert any("resumed" in m and "step 30" in m for m in logs)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bastion_jax.checkpoints import LoadedDrafter, Target
+from bastion_jax.trace_report import StepTracer
 from bastion_jax.training.data import TokenDataset, batch_indices
 from bastion_jax.training.features import FeatureStore, target_fingerprint
 from bastion_jax.training.objective import Metrics, Objective, default_gamma
@@ -261,7 +262,8 @@ class Trainer:
         return out
 
     def fit(self, train: TokenDataset, val: TokenDataset | None = None, progress: bool = True,
-            max_seconds: float | None = None, validate_start: bool = False) -> LoadedDrafter:
+            max_seconds: float | None = None, validate_start: bool = False,
+            trace_dir: str | Path | None = None) -> LoadedDrafter:
         """Run to `cfg.steps` (resuming if checkpoints exist); returns the trained drafter (fp32).
 
         `max_seconds` (wall time of this call) ends the run early at a step boundary, validated,
@@ -276,7 +278,11 @@ class Trainer:
 
         `validate_start` (a run that continues a trained drafter): a fresh run validates the starting
         weights before its first step, as step 0, so they are the record to beat: `best.json` /
-        `on_best` then name a trained step only where one validates better than where it began."""
+        `on_best` then name a trained step only where one validates better than where it began.
+
+        `trace_dir`: this call's 6th to 8th steps run under `jax.profiler` (the first compiles, the next
+        four settle), summarised per XLA op into `trace_dir`/step-trace.md (`trace_report`): where a
+        step's device time goes, the target's feature forward against the drafter's own step."""
         from tqdm import tqdm
 
         self.prepare(train)
@@ -305,7 +311,9 @@ class Trainer:
         deadline = None if max_seconds is None else time.perf_counter() + max_seconds
         floor = self._progress  # a resumed run goes on from where the last one's schedule stood
         saved_at = time.perf_counter()
+        tracer = StepTracer(trace_dir, first=5, steps=3, log=self.log)
         while step < self.cfg.steps:
+            tracer.before(step - start)
             t0 = time.perf_counter()
             idx = next(indices)
             done = max(step / self.cfg.steps, floor)
@@ -331,6 +339,7 @@ class Trainer:
                 busy += time.perf_counter() - t0
                 positions += n_pos
             step += 1
+            tracer.after(step - start)
             history.append(m)
             bar.update(1)
             stopping = deadline is not None and time.perf_counter() >= deadline and step < self.cfg.steps
@@ -360,6 +369,7 @@ class Trainer:
             if stopping:
                 break
         bar.close()
+        tracer.close()
         if val_store:
             val_store.flush()
         if total_busy:

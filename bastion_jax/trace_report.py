@@ -1,0 +1,163 @@
+"""Per-op time of a `jax.profiler` trace (and `StepTracer`, which takes one around a loop's steps): what `train_drafter train --trace` and the benchmarks'
+`--trace` write beside the trace (`python -m benchmarks.step_trace DIR` reads one taken elsewhere).
+
+The profiler writes a Chrome trace (`*.trace.json.gz`: `ph` X events with `dur` in microseconds,
+`args.hlo_op` / `args.hlo_module` on every op). `summarise` reports, per compiled program, its
+executions, device time per execution and the ops with the largest share. On a GPU only the device's
+own tracks (`/device:...`) are counted (the host's launch events carry the same op names); on CPU the
+ops run on host threads and all are counted, innermost events only (a `while` op spans its body's).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Callable
+
+KINDS = (("product", ("gemm", "dot", "cublas", "matmul", "ynn", "cutlass", "onednn")),
+         ("attention", ("prefix", "attention", "softmax", "mosaic", "pallas")),
+         ("copy", ("copy", "transpose", "dynamic-update-slice", "dynamic_update_slice", "memcpy", "memset")),
+         ("reduce", ("reduce",)), ("fusion", ("fusion",)))
+
+
+def kind(name: str) -> str:
+    """A coarse class of an op from its name (first match in KINDS, else "other")."""
+    low = name.lower()
+    for k, keys in KINDS:
+        if any(key in low for key in keys):
+            return k
+    return "other"
+
+
+def trace_file(path: str | Path) -> Path:
+    """The newest `*.trace.json.gz` under `path` (a profiler log dir) or `path` itself."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    found = sorted(p.glob("**/*.trace.json.gz"), key=lambda f: f.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"no *.trace.json.gz under {p}")
+    return found[-1]
+
+
+def op_events(trace: dict) -> list[dict]:
+    """The op events of a Chrome trace: complete events (`ph` X) that name an XLA op, on the device's
+    own tracks when there are any (GPU), else everywhere (CPU: ops run on host threads); of nested
+    events (a `while` op around its body's ops on CPU) only the innermost, so no time counts twice."""
+    procs = {e.get("pid"): (e.get("args") or {}).get("name", "") for e in trace.get("traceEvents", [])
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, name in procs.items() if str(name).startswith("/device:")}
+    tracks: dict[tuple, list[dict]] = defaultdict(list)
+    for e in trace.get("traceEvents", []):
+        args = e.get("args") or {}
+        if e.get("ph") != "X" or "hlo_op" not in args or str(e.get("name", "")).startswith("end: "):
+            continue
+        if device and e.get("pid") not in device:
+            continue
+        tracks[(e.get("pid"), e.get("tid"))].append(e)
+    out = []
+    for evs in tracks.values():  # leaves only: a loop's or a call's event spans its body's ops (CPU)
+        evs.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+        for e, nxt in zip(evs, evs[1:] + [None]):
+            if nxt is None or float(nxt["ts"]) >= float(e["ts"]) + float(e.get("dur", 0.0)):
+                out.append(e)
+    return out
+
+
+def summarise(path: str | Path, top: int = 25) -> dict:
+    """Per program (`hlo_module`): executions (the most common count among its ops: an op outside a
+    loop runs once per execution), device time per execution (the sum of its ops' durations; kernels
+    on parallel streams would count twice), the span per execution (first op start to last op end,
+    gaps included) and its `top` ops by total time, with their share and kind."""
+    f = trace_file(path)
+    with gzip.open(f, "rt") as fp:
+        events = op_events(json.load(fp))
+    per_module: dict[str, list[dict]] = defaultdict(list)
+    for e in events:
+        per_module[e["args"].get("hlo_module", "?")].append(e)
+    modules = {}
+    for module, evs in per_module.items():
+        counts = Counter(e["args"]["hlo_op"] for e in evs)
+        runs = Counter(counts.values()).most_common(1)[0][0]
+        total = sum(float(e.get("dur", 0.0)) for e in evs)
+        by_run: dict[str, list[dict]] = defaultdict(list)
+        for e in evs:
+            by_run[e["args"].get("run_id", "")].append(e)
+        spans = [max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in r) - min(float(e["ts"]) for e in r)
+                 for key, r in by_run.items() if key]
+        ops: dict[str, dict] = {}
+        for e in evs:
+            op = e["args"]["hlo_op"]
+            o = ops.setdefault(op, {"op": op, "kernel": e.get("name", op), "us": 0.0, "calls": 0})
+            o["us"] += float(e.get("dur", 0.0))
+            o["calls"] += 1
+        ranked = sorted(ops.values(), key=lambda o: -o["us"])
+        kinds: dict[str, float] = defaultdict(float)
+        for o in ranked:
+            kinds[kind(o["kernel"] + " " + o["op"])] += o["us"]
+        modules[module] = {
+            "executions": runs, "ops": len(ops), "op_events": len(evs), "device_us_per_execution": total / runs,
+            "span_us_per_execution": (sum(spans) / len(spans)) if spans else None,
+            "kinds_us_per_execution": {k: v / runs for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top": [dict(o, us_per_execution=o["us"] / runs, share=o["us"] / total if total else 0.0,
+                         kind=kind(o["kernel"] + " " + o["op"])) for o in ranked[:top]]}
+    return {"trace": str(f), "modules": dict(sorted(modules.items(), key=lambda kv: -kv[1]["device_us_per_execution"]))}
+
+
+def markdown(s: dict, title: str = "Step trace") -> str:
+    lines = [f"# {title}", "", f"From `{s['trace']}` (`python -m benchmarks.step_trace`): device time per "
+             "execution = the sum of the program's op durations over its executions; span = first op start "
+             "to last op end (gaps between kernels included).", ""]
+    for module, m in s["modules"].items():
+        span = "n/a" if m["span_us_per_execution"] is None else f"{m['span_us_per_execution'] / 1e3:.3f} ms"
+        kinds = ", ".join(f"{k} {v / 1e3:.3f}" for k, v in m["kinds_us_per_execution"].items())
+        lines += [f"## {module}", "", f"{m['executions']} executions, {m['ops']} ops; device time "
+                  f"{m['device_us_per_execution'] / 1e3:.3f} ms per execution, span {span}; by kind (ms): {kinds}.",
+                  "", "| op | kernel | kind | ms per execution | share | calls |", "|---|---|---|---|---|---|"]
+        for o in m["top"]:
+            lines.append(f"| {o['op']} | {o['kernel'][:60]} | {o['kind']} | {o['us_per_execution'] / 1e3:.4f} | "
+                         f"{o['share']:.1%} | {o['calls']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write(log_dir: str | Path, title: str, **extra) -> dict:
+    """Summarise the newest trace under `log_dir` into `log_dir`/step-trace.json and .md; returns it."""
+    log_dir = Path(log_dir)
+    s = summarise(log_dir)
+    s.update(extra)
+    (log_dir / "step-trace.json").write_text(json.dumps(s, indent=2) + "\n")
+    (log_dir / "step-trace.md").write_text(markdown(s, title))
+    return s
+
+
+class StepTracer:
+    """`jax.profiler` around steps [first, first + steps) of a loop (counted from 0: the trainer's
+    `fit(trace_dir=...)`), then the per-op summary beside the trace; inert without a directory."""
+
+    def __init__(self, log_dir: str | Path | None, first: int, steps: int, log: Callable[[str], None]):
+        self.log_dir, self.first, self.steps, self.log, self.on = log_dir, first, steps, log, False
+
+    def before(self, done: int) -> None:
+        if self.log_dir is not None and done == self.first:
+            import jax
+
+            jax.profiler.start_trace(str(self.log_dir))
+            self.on = True
+
+    def after(self, done: int) -> None:
+        if self.on and done == self.first + self.steps:
+            self.close()
+
+    def close(self) -> None:
+        if not self.on:
+            return
+        import jax
+
+        jax.profiler.stop_trace()
+        self.on = False
+        s = write(self.log_dir, f"Training steps {self.first + 1}-{self.first + self.steps} of this run", steps=self.steps)
+        per = ", ".join(f"{m} {v['device_us_per_execution'] / 1e3:.1f} ms" for m, v in list(s["modules"].items())[:4])
+        self.log(f"traced {self.steps} training steps into {self.log_dir}: {per} (step-trace.md)")
