@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Callable
@@ -66,6 +67,72 @@ def op_events(trace: dict) -> list[dict]:
     return out
 
 
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+) = (?P<shape>\([^=]*?\)|\S+) (?P<opcode>[\w-]+)\(")
+_TABLE_ROW = re.compile(r"^(\d+) (.*)$")
+
+
+def hlo_details(text: str) -> tuple[str, dict[str, str]]:
+    """(module name, {instruction: "opcode shape file:line function"}) from a compiled program's HLO
+    text (`Compiled.as_text()`): what an op of the trace is, in shapes and the source line it came
+    from (the innermost frame of its `stack_frame_id`, through the text's FileNames / FunctionNames /
+    FileLocations / StackFrames tables)."""
+    lines = text.splitlines()
+    module = lines[0].split()[1].rstrip(",") if lines and lines[0].startswith("HloModule") else "?"
+    tables: dict[str, dict[int, str]] = {}
+    current = None
+    for line in lines[1:]:
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+            continue
+        m = _TABLE_ROW.match(line) if current is not None else None
+        if m:
+            current[int(m.group(1))] = m.group(2)
+        elif line.strip():
+            current = None
+    def field(row: str, key: str) -> int:
+        m = re.search(key + r"=(\d+)", row)
+        return int(m.group(1)) if m else 0
+
+    def where(frame: int) -> str:
+        loc = tables.get("FileLocations", {}).get(field(tables.get("StackFrames", {}).get(frame, ""), "file_location_id"))
+        if loc is None:
+            return ""
+        file = tables.get("FileNames", {}).get(field(loc, "file_name_id"), "?").strip('"')
+        func = tables.get("FunctionNames", {}).get(field(loc, "function_name_id"), "?").strip('"')
+        return f"{Path(file).name}:{field(loc, 'line')} {func}"
+
+    details = {}
+    for line in lines:
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        shape = re.sub(r"\{[^}]*\}", "", m.group("shape"))  # layouts dropped: f32[4,512]{1,0} -> f32[4,512]
+        frame = re.search(r"stack_frame_id=(\d+)", line)
+        source = where(int(frame.group(1))) if frame else ""
+        if not source:  # an op XLA made itself (no metadata): name the weights it reads, when it reads any
+            weights = [_param_path(n) for n in re.findall(r"%(state__[^\s,)]+)", line[m.end():])]
+            source = "<- " + ", ".join(weights) if weights else ""
+        details[m.group("name")] = " ".join(x for x in (m.group("opcode"), shape, source) if x)
+    return module, details
+
+
+def _param_path(name: str) -> str:
+    """An entry parameter's HLO name -> its parameter path: `state__layers___8___mlp____up_proj____weight__.1`
+    -> `layers.8.mlp.up_proj.weight` (the flattened nnx state path of the step's argument)."""
+    name = re.sub(r"\.\d+$", "", name)
+    return re.sub(r"_{2,}", ".", name).strip(".").removeprefix("state.")
+
+
+def load_hlo(log_dir: Path) -> dict[str, dict[str, str]]:
+    """{module: hlo_details} of every `*.hlo.txt.gz` in `log_dir` (written beside a trace by `take`)."""
+    out = {}
+    for f in sorted(log_dir.glob("*.hlo.txt.gz")):
+        with gzip.open(f, "rt") as fp:
+            module, details = hlo_details(fp.read())
+        out[module] = details
+    return out
+
+
 def summarise(path: str | Path, top: int = 25) -> dict:
     """Per program (`hlo_module`): executions (the most common count among its ops: an op outside a
     loop runs once per execution), device time per execution (the sum of its ops' durations; kernels
@@ -74,6 +141,7 @@ def summarise(path: str | Path, top: int = 25) -> dict:
     f = trace_file(path)
     with gzip.open(f, "rt") as fp:
         events = op_events(json.load(fp))
+    hlo = load_hlo(Path(path)) if Path(path).is_dir() else {}
     per_module: dict[str, list[dict]] = defaultdict(list)
     for e in events:
         per_module[e["args"].get("hlo_module", "?")].append(e)
@@ -90,17 +158,24 @@ def summarise(path: str | Path, top: int = 25) -> dict:
         ops: dict[str, dict] = {}
         for e in evs:
             op = e["args"]["hlo_op"]
-            o = ops.setdefault(op, {"op": op, "kernel": e.get("name", op), "us": 0.0, "calls": 0})
+            o = ops.setdefault(op, {"op": op, "kernel": e.get("name", op), "us": 0.0, "calls": 0,
+                                    "detail": hlo.get(module, {}).get(op, "")})
             o["us"] += float(e.get("dur", 0.0))
             o["calls"] += 1
         ranked = sorted(ops.values(), key=lambda o: -o["us"])
         kinds: dict[str, float] = defaultdict(float)
         for o in ranked:
             kinds[kind(o["kernel"] + " " + o["op"])] += o["us"]
+        sources: dict[str, float] = defaultdict(float)  # op time by the source line it came from
+        for o in ranked:
+            where = o["detail"].split(" ", 2)[2] if o["detail"].count(" ") >= 2 else ""
+            sources[re.sub(r"\.\d+\.", ".*.", where) or "(no source line)"] += o["us"]  # layers.8. -> layers.*.
         modules[module] = {
             "executions": runs, "ops": len(ops), "op_events": len(evs), "device_us_per_execution": total / runs,
             "span_us_per_execution": (sum(spans) / len(spans)) if spans else None,
             "kinds_us_per_execution": {k: v / runs for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "sources_us_per_execution": ({k: v / runs for k, v in sorted(sources.items(), key=lambda kv: -kv[1])[:top]}
+                                         if hlo.get(module) else {}),
             "top": [dict(o, us_per_execution=o["us"] / runs, share=o["us"] / total if total else 0.0,
                          kind=kind(o["kernel"] + " " + o["op"])) for o in ranked[:top]]}
     return {"trace": str(f), "modules": dict(sorted(modules.items(), key=lambda kv: -kv[1]["device_us_per_execution"]))}
@@ -115,10 +190,16 @@ def markdown(s: dict, title: str = "Step trace") -> str:
         kinds = ", ".join(f"{k} {v / 1e3:.3f}" for k, v in m["kinds_us_per_execution"].items())
         lines += [f"## {module}", "", f"{m['executions']} executions, {m['ops']} ops; device time "
                   f"{m['device_us_per_execution'] / 1e3:.3f} ms per execution, span {span}; by kind (ms): {kinds}.",
-                  "", "| op | kernel | kind | ms per execution | share | calls |", "|---|---|---|---|---|---|"]
+                  "", "| op | kernel | kind | ms per execution | share | calls | what (HLO: opcode, shape, source) |",
+                  "|---|---|---|---|---|---|---|"]
         for o in m["top"]:
             lines.append(f"| {o['op']} | {o['kernel'][:60]} | {o['kind']} | {o['us_per_execution'] / 1e3:.4f} | "
-                         f"{o['share']:.1%} | {o['calls']} |")
+                         f"{o['share']:.1%} | {o['calls']} | {o.get('detail', '')[:100]} |")
+        if m.get("sources_us_per_execution"):
+            total = m["device_us_per_execution"]
+            lines += ["", "By source line (every op of the program):", "", "| source | ms per execution | share |",
+                      "|---|---|---|"]
+            lines += [f"| {k} | {v / 1e3:.4f} | {v / total:.1%} |" for k, v in m["sources_us_per_execution"].items()]
         lines.append("")
     return "\n".join(lines)
 

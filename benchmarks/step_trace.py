@@ -17,6 +17,7 @@ trace per program and op (also what `train_drafter train --trace` writes).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 import time
@@ -57,6 +58,12 @@ def take(engine, cache_len: int, context: int, bucket: int, steps: int, log_dir:
     jax.block_until_ready(ar())
     jax.block_until_ready(ver())
     log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for name, fn in (("decode", ar_step), (f"tree_verify{bucket}", verify)):  # what each traced op is (shapes, source)
+        text = fn.as_text() if hasattr(fn, "as_text") else None
+        if text:
+            with gzip.open(log_dir / f"{name}.hlo.txt.gz", "wt") as f:
+                f.write(text)
     t0 = time.perf_counter()
     with jax.profiler.trace(str(log_dir)):
         for fn in (ar, ver):

@@ -264,6 +264,8 @@ def test_verify_probe_times_the_target_side_without_compiling_tree_steps(tmp_pat
     assert len(programs) == 2, list(traced["modules"])  # the AR step and verify(16), each run 3 times traced
     assert all(v["executions"] == 3 and v["device_us_per_execution"] > 0 for v in programs.values()), programs
     assert "## " in (tmp_path / "trace" / "step-trace.md").read_text()
+    details = [o["detail"] for v in programs.values() for o in v["top"]]
+    assert any(".py:" in d for d in details), details  # each op named by its HLO shape and source line
     data = json.loads((tmp_path / "vp.json").read_text())
     r, m = data["ratios"], data["measured"]
     assert set(r["ar_floor_ratio"]) == {str(c) for c in CONTEXTS}

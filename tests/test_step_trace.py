@@ -53,3 +53,33 @@ def test_without_device_tracks_every_op_counts_and_a_dir_finds_its_file(tmp_path
     assert step_trace.main([str(tmp_path)]) == 0 and "jit_tree_verify" in capsys.readouterr().out
     assert step_trace.main([str(tmp_path / "nothing")]) == 1
     assert "no *.trace.json.gz" in capsys.readouterr().err
+
+
+def test_hlo_details_name_each_op_by_shape_and_source_line():
+    import jax
+    import jax.numpy as jnp
+
+    def f(a, b):
+        return jnp.tanh(a @ b) @ b  # the products' source line
+
+    text = jax.jit(f).lower(jnp.ones((4, 32)), jnp.ones((32, 32))).compile().as_text()
+    module, details = trace_report.hlo_details(text)
+    assert module == "jit_f"
+    line = f"test_step_trace.py:{f.__code__.co_firstlineno + 1} "
+    products = [d for d in details.values() if "f32[4,32]" in d and line in d and d.endswith(".f")]
+    assert products, details  # the ops the trace names, with their shapes and the line of `f` they came from
+    assert all("{" not in d for d in details.values())  # layouts dropped
+
+
+def test_an_op_without_source_is_named_by_the_weights_it_reads(tmp_path):
+    text = ("HloModule jit_decode, is_scheduled=true\n\nENTRY %main.1 {\n"
+            "  %dot.7 = f32[1536,1]{1,0} dot(%state__layers___12___mlp____up_proj____weight__.1, %bitcast.2), "
+            "lhs_contracting_dims={1}\n}\n")
+    assert trace_report.hlo_details(text) == ("jit_decode", {"dot.7": "dot f32[1536,1] <- layers.12.mlp.up_proj.weight"})
+    # beside a trace, the summary names its ops so and adds them up by weight, layer index folded
+    with gzip.open(tmp_path / "decode.hlo.txt.gz", "wt") as f:
+        f.write(text)
+    write(tmp_path, [op("dot.7", 0.0, 8.0, run="a"), op("dot.7", 50.0, 6.0, run="b")])
+    m = trace_report.summarise(tmp_path)["modules"]["jit_decode"]
+    assert m["top"][0]["detail"] == "dot f32[1536,1] <- layers.12.mlp.up_proj.weight"
+    assert m["sources_us_per_execution"] == pytest.approx({"<- layers.*.mlp.up_proj.weight": 7.0})
