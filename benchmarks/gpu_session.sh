@@ -99,7 +99,9 @@ case "$step" in
       --name "perf-qwen3-8b-$mode" --out-dir "$OUT" --compilation-cache /tmp/jax-cache \
       --trace "$OUT/trace-$mode" 2>&1 | tee "$OUT/perf-$mode.log"
     # (the trace: 5 AR and 5 verify(largest bucket) steps under jax.profiler, after the results are
-    # written; $OUT/trace-$mode/step-trace.md names the ops that hold each step's time)
+    # written; $OUT/trace-$mode/step-trace.md names the ops that hold each step's time. An xplane.pb over
+    # the 16 MB a returned file may have is dropped: the .trace.json.gz and the HLO texts are what it reads)
+    find "$OUT/trace-$mode" -name '*.xplane.pb' -size +15M -delete 2>/dev/null || true
     ;;
   probe)
     # scanned layers compile one body whatever the depth: 4 of them probe the same body as 36, faster
