@@ -189,6 +189,7 @@ for r in v9a v9b; do
   for f in metrics.jsonl best.json; do [ -f "$run/$f" ] && cp "$run/$f" "$W/ret/$r-$f"; done
 done
 cp "$W"/logs/*.log "$W/ret/"
+find "$W/ret" -name '*.xplane.pb' -delete  # the trainer's trace: its .trace.json.gz and step-trace.md come back
 nvidia-smi --query-gpu=name --format=csv,noheader > "$W/ret/device.txt" 2>/dev/null
 tar cf - -C "$W" ret | split -b 15M - "$OUT/ret.tar."
 ls -la "$OUT"
