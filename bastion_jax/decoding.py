@@ -56,10 +56,10 @@ def decode(cfg: StepConfig, state: nnx.State, cache: KVCache, tokens: jax.Array,
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def forward(cfg: StepConfig, state: nnx.State, cache: KVCache, tokens: jax.Array, lengths: jax.Array):
-    """A plain causal forward of tokens [batch, t] at slots lengths[b] + i (no taps): the greedy token
-    after each position [batch, t], and the cache. The profiler's yardstick for a tree verify of the
+    """A plain causal forward of tokens [batch, t] at slots lengths[b] + i (no taps): (the cache, the
+    greedy token after each position [batch, t]), the order of every step. The profiler's yardstick for a tree verify of the
     same t tokens (which adds the tree mask, the taps and the accept walk)."""
     model = nnx.merge(cfg.target_def, state)
     b, t = tokens.shape
     out = model(tokens, lengths[:, None] + jnp.arange(t)[None], cache, lengths, causal_mask(b, t))
-    return argmax(out.logits), out.cache
+    return out.cache, argmax(out.logits)

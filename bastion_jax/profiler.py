@@ -152,7 +152,7 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
 
         def drafting():
             s = box["state"]
-            tree, _, dcache = draft(tstate, dstate, s.drafter_cache, features, ctx_start, one, zero_tok)
+            dcache, tree, _ = draft(tstate, dstate, s.drafter_cache, features, ctx_start, one, zero_tok)
             box["state"] = s.replace(drafter_cache=dcache)
             jax.block_until_ready(tree.tokens)
 
@@ -182,13 +182,13 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
 
             def verifying():
                 s = box["state"]
-                choices, tcache = verify[b](tstate, s.target_cache, s.tree, length)
+                tcache, choices = verify[b](tstate, s.target_cache, s.tree, length)
                 box["state"] = s.replace(target_cache=tcache)
                 jax.block_until_ready(choices)
 
             def forwarding(fwd=plain[b], b=b):
                 s = box["state"]
-                toks, tcache = fwd(tstate, s.target_cache, plain_tokens[b], length)
+                tcache, toks = fwd(tstate, s.target_cache, plain_tokens[b], length)
                 box["state"] = s.replace(target_cache=tcache)
                 jax.block_until_ready(toks)
 

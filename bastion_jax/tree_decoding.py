@@ -236,9 +236,9 @@ def root_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
 
 @partial(jax.jit, static_argnames=("cfg", "bucket"), donate_argnames=("target_cache",))
 def tree_verify(cfg: StepConfig, target_state, target_cache: KVCache, tree: Tree, length: jax.Array, *,
-                bucket: int) -> tuple[jax.Array, KVCache]:
+                bucket: int) -> tuple[KVCache, jax.Array]:
     """Verify only: the target forward of `tree_step` over the first `bucket` nodes at context `length`
-    (tree attention mask, taps) and the argmax at every node. Returns (choices [b, bucket], cache).
+    (tree attention mask, taps) and the argmax at every node. Returns (cache, choices [b, bucket]).
 
     The profiler times this against the full step to split a step into verify / draft / rest.
     """
@@ -247,14 +247,16 @@ def tree_verify(cfg: StepConfig, target_state, target_cache: KVCache, tree: Tree
     positions = length[:, None] + tree.depths  # [b, n]
     out = target(jnp.maximum(tree.tokens, 0), positions, target_cache, length, tree.ancestors,
                  tap_layers=cfg.tap_layers)
-    return argmax(out.logits), out.cache
+    return out.cache, argmax(out.logits)
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("drafter_cache",))
 def tree_draft(cfg: StepConfig, target_state, drafter_state, drafter_cache: KVCache, features: jax.Array,
                ctx_start: jax.Array, ctx_len: jax.Array, root: jax.Array,
-               draft_vocab: Optional[DraftVocab] = None) -> tuple[Tree, jax.Array, KVCache]:
+               draft_vocab: Optional[DraftVocab] = None) -> tuple[KVCache, Tree, jax.Array]:
     """Draft only: inject `features` [b, C, F], run the drafter's block after `root` and build the
-    next tree (the second half of `tree_step`). Returns (tree, curve [b, n_buckets], drafter cache)."""
+    next tree (the second half of `tree_step`). Returns (drafter cache, tree, curve [b, n_buckets])."""
     target, drafter = merge_models(cfg, target_state, drafter_state)
-    return _next_tree(cfg, target, drafter, drafter_cache, features, ctx_start, ctx_len, root, draft_vocab)
+    tree, curve, drafter_cache = _next_tree(cfg, target, drafter, drafter_cache, features, ctx_start, ctx_len, root,
+                                            draft_vocab)
+    return drafter_cache, tree, curve

@@ -52,7 +52,7 @@ def take(engine, cache_len: int, context: int, bucket: int, steps: int, log_dir:
         return nxt
 
     def ver():
-        choices, box["cache"] = verify(params, box["cache"], tree, length)
+        box["cache"], choices = verify(params, box["cache"], tree, length)
         return choices
 
     jax.block_until_ready(ar())

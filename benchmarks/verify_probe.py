@@ -104,11 +104,11 @@ def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
             tokens = jax.device_put(np.zeros((1, b), np.int32))
 
             def ver(b=b):
-                choices, box["cache"] = verify[b](params, box["cache"], tree, length)
+                box["cache"], choices = verify[b](params, box["cache"], tree, length)
                 jax.block_until_ready(choices)
 
             def fwd(b=b, tokens=tokens):
-                out, box["cache"] = forward[b](params, box["cache"], tokens, length)
+                box["cache"], out = forward[b](params, box["cache"], tokens, length)
                 jax.block_until_ready(out)
 
             result["verify_s"][f"{b}@{c}"] = median_s(ver, reps, warmup)
