@@ -185,7 +185,13 @@ def markdown(s: dict, title: str = "Step trace") -> str:
     lines = [f"# {title}", "", f"From `{s['trace']}` (`python -m benchmarks.step_trace`): device time per "
              "execution = the sum of the program's op durations over its executions; span = first op start "
              "to last op end (gaps between kernels included).", ""]
+    largest = max((m["device_us_per_execution"] for m in s["modules"].values()), default=0.0)
+    small = [k for k, m in s["modules"].items() if m["device_us_per_execution"] < 0.01 * largest]
+    if small:  # eager one-op programs (a learning-rate update's arithmetic, a key split): named, not tabled
+        lines += [f"Under 1% of the largest program's time, not listed: {', '.join(small)}.", ""]
     for module, m in s["modules"].items():
+        if module in small:
+            continue
         span = "n/a" if m["span_us_per_execution"] is None else f"{m['span_us_per_execution'] / 1e3:.3f} ms"
         kinds = ", ".join(f"{k} {v / 1e3:.3f}" for k, v in m["kinds_us_per_execution"].items())
         lines += [f"## {module}", "", f"{m['executions']} executions, {m['ops']} ops; device time "
