@@ -101,26 +101,32 @@ def hlo_details(text: str) -> tuple[str, dict[str, str]]:
         func = tables.get("FunctionNames", {}).get(field(loc, "function_name_id"), "?").strip('"')
         return f"{Path(file).name}:{field(loc, 'line')} {func}"
 
+    params = {}  # an entry parameter's instruction name -> the argument path JAX named it by
+    for line in lines:
+        m = _INSTR.match(line)
+        if m and m.group("opcode") == "parameter":
+            named = re.search(r'op_name="([^"]+)"', line)
+            if named:
+                params[m.group("name")] = _arg_path(named.group(1))
     details = {}
     for line in lines:
         m = _INSTR.match(line)
-        if not m:
+        if not m or m.group("opcode") == "parameter":
             continue
         shape = re.sub(r"\{[^}]*\}", "", m.group("shape"))  # layouts dropped: f32[4,512]{1,0} -> f32[4,512]
         frame = re.search(r"stack_frame_id=(\d+)", line)
         source = where(int(frame.group(1))) if frame else ""
-        if not source:  # an op XLA made itself (no metadata): name the weights it reads, when it reads any
-            weights = [_param_path(n) for n in re.findall(r"%(state__[^\s,)]+)", line[m.end():])]
-            source = "<- " + ", ".join(weights) if weights else ""
+        if not source:  # an op XLA made itself (no metadata): name the arguments it reads, when it reads any
+            reads = [params[n] for n in re.findall(r"%([^\s,)]+)", line[m.end():]) if n in params]
+            source = "<- " + ", ".join(reads) if reads else ""
         details[m.group("name")] = " ".join(x for x in (m.group("opcode"), shape, source) if x)
     return module, details
 
 
-def _param_path(name: str) -> str:
-    """An entry parameter's HLO name -> its parameter path: `state__layers___8___mlp____up_proj____weight__.1`
-    -> `layers.8.mlp.up_proj.weight` (the flattened nnx state path of the step's argument)."""
-    name = re.sub(r"\.\d+$", "", name)
-    return re.sub(r"_{2,}", ".", name).strip(".").removeprefix("state.")
+def _arg_path(op_name: str) -> str:
+    """An entry parameter's `op_name` -> a dotted path: `target_state['layers'][8]['mlp']['up_proj']['weight']`
+    -> `target_state.layers.8.mlp.up_proj.weight` (the step's argument and the pytree path in it)."""
+    return re.sub(r"\[\\?'?([^\]'\\]+)\\?'?\]", r".\1", op_name)
 
 
 def load_hlo(log_dir: Path) -> dict[str, dict[str, str]]:

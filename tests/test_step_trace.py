@@ -73,13 +73,15 @@ def test_hlo_details_name_each_op_by_shape_and_source_line():
 
 def test_an_op_without_source_is_named_by_the_weights_it_reads(tmp_path):
     text = ("HloModule jit_decode, is_scheduled=true\n\nENTRY %main.1 {\n"
+            "  %state__layers___12___mlp____up_proj____weight__.1 = f32[1536,576]{1,0} parameter(3), "
+            "metadata={op_name=\"state[\\'layers\\'][12][\\'mlp\\'][\\'up_proj\\'][\\'weight\\']\"}\n"
             "  %dot.7 = f32[1536,1]{1,0} dot(%state__layers___12___mlp____up_proj____weight__.1, %bitcast.2), "
             "lhs_contracting_dims={1}\n}\n")
-    assert trace_report.hlo_details(text) == ("jit_decode", {"dot.7": "dot f32[1536,1] <- layers.12.mlp.up_proj.weight"})
+    assert trace_report.hlo_details(text) == ("jit_decode", {"dot.7": "dot f32[1536,1] <- state.layers.12.mlp.up_proj.weight"})
     # beside a trace, the summary names its ops so and adds them up by weight, layer index folded
     with gzip.open(tmp_path / "decode.hlo.txt.gz", "wt") as f:
         f.write(text)
     write(tmp_path, [op("dot.7", 0.0, 8.0, run="a"), op("dot.7", 50.0, 6.0, run="b")])
     m = trace_report.summarise(tmp_path)["modules"]["jit_decode"]
-    assert m["top"][0]["detail"] == "dot f32[1536,1] <- layers.12.mlp.up_proj.weight"
-    assert m["sources_us_per_execution"] == pytest.approx({"<- layers.*.mlp.up_proj.weight": 7.0})
+    assert m["top"][0]["detail"] == "dot f32[1536,1] <- state.layers.12.mlp.up_proj.weight"
+    assert m["sources_us_per_execution"] == pytest.approx({"<- state.layers.*.mlp.up_proj.weight": 7.0})
