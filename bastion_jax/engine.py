@@ -149,9 +149,10 @@ class Engine:
                                        mask_token_id=mask_token_id, buckets=self.buckets, top_k=top_k,
                                        draft_vocab=draft_vocab, lookup=lookup, store=self.datastore,
                                        cond_depths=cond_depths, cond_candidates=cond_candidates)
-        # Per batch size, the draft gate's estimates, kept across requests (a batch's curves are its last
-        # rows': `controller.batch_curve`, not one row's).
-        self._gate_memory: dict[int, dict] = {}
+        # Per batch size and sampling kind (greedy or sampled), the draft gate's estimates, kept across
+        # requests: a batch's curves are its last rows' (`controller.batch_curve`), not one row's, and
+        # trees accept other lengths under argmax than under samples (rho, A_bar, the probe interval).
+        self._gate_memory: dict[tuple[int, bool], dict] = {}
         self.latency = latency or self.default_latency_model()
         self._batch_latency: dict[int, LatencyModel] = {}  # models for other batch sizes than self.latency's
         self.warm: set[int] = set()  # ids of the executables that ran once (`warmup.warm_up`)
@@ -295,7 +296,7 @@ class Engine:
                 gate = DraftGate(self.buckets, latency.step_time, tree_decoding.pending_slots(self.block_size),
                                  self.block_size, held_rows=max(chains, default=1))
                 # What the gate learnt of this drafter and text carries over to the next request.
-                gate.restore(self._gate_memory.setdefault(batch, {}))
+                gate.restore(self._gate_memory.setdefault((batch, sampling.greedy), {}))
         else:
             prefill, step = (exe.ar if policy.kind == "ar" else exe.chain)(batch, bucket, cache_len, sampling)
         # Every executable this request may use runs once now, not inside the timed request.
@@ -383,7 +384,7 @@ class Engine:
         stats.compilations += self.compilations - before
         stats.compilations_after_warmup += compile_counter.compilations() - compiled_before_loop
         if policy.kind == "bastion" and gate is not None:
-            self._gate_memory[batch] = gate.memory()
+            self._gate_memory[(batch, sampling.greedy)] = gate.memory()
             stats.chain_steps += gate.chained
         if controller is not None:
             for b, n in controller.histogram.items():

@@ -141,7 +141,7 @@ def test_engine_root_steps_dispatched_ahead_sample_the_target_law(peaked_target)
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK, num_taps=1), seed=1)
     engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4, latency=FixedLatency(BUCKETS))
     # learnt, for batches of 2,500 rows: the drafts are never accepted (rho = 0 / 1, after 100 verified trees)
-    engine._gate_memory.setdefault(2500, {}).update(calibration=(0.0, 1.0, 100), a_bar=np.ones(len(BUCKETS)))
+    engine._gate_memory.setdefault((2500, False), {}).update(calibration=(0.0, 1.0, 100), a_bar=np.ones(len(BUCKETS)))
     res = engine.generate([prompt] * 2500, max_new_tokens=3, mode="bastion", sampling=SamplingConfig(1.0), seed=5)
     assert res.stats.buckets == {0: 2}  # two root steps after the prefill
     assert_three_token_law(target, prompt, res.tokens)
@@ -273,7 +273,7 @@ def test_engine_root_steps_dispatched_ahead_keep_greedy_and_stops(pair):
     ar = Engine(target, stop_ids=[stop]).generate(prompts, max_new_tokens=30, mode="ar").tokens
     engine = Engine(target, drafter=drafter, stop_ids=[stop], buckets=BUCKETS, top_k=4,
                     latency=FixedLatency(BUCKETS), lookup=None)
-    engine._gate_memory.setdefault(1, {}).update(calibration=(0.0, 1.0, 100), a_bar=np.ones(len(BUCKETS)))
+    engine._gate_memory.setdefault((1, True), {}).update(calibration=(0.0, 1.0, 100), a_bar=np.ones(len(BUCKETS)))
     res = engine.generate(prompts, max_new_tokens=30, mode="bastion")
     assert res.tokens == ar and len(ar[0]) <= 7 < len(ar[1])
     assert res.stats.buckets[0] >= 0.8 * res.stats.steps  # root steps (with probes that draft)
@@ -328,7 +328,7 @@ def test_probe_interval_carries_over_to_the_next_request(pair, monkeypatch):
     engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4, latency=FixedLatency(BUCKETS),
                     lookup=None)
     # learnt: the drafts are never accepted (rho = 0 / 1, after 100 verified trees)
-    engine._gate_memory.setdefault(1, {}).update(calibration=(0.0, 1.0, 100), a_bar=np.ones(len(BUCKETS)))
+    engine._gate_memory.setdefault((1, True), {}).update(calibration=(0.0, 1.0, 100), a_bar=np.ones(len(BUCKETS)))
     probes, real = [], DraftGate.root_then
     monkeypatch.setattr(DraftGate, "root_then", lambda self, *a: (lambda t: (probes.append(t == DRAFT), t)[1])(
         real(self, *a)))
@@ -337,18 +337,21 @@ def test_probe_interval_carries_over_to_the_next_request(pair, monkeypatch):
         probes.clear()
         engine.generate([prompt], max_new_tokens=40, mode="bastion")
         counts.append(sum(probes))
-    assert engine._gate_memory[1]["probe"] == 64
+    assert engine._gate_memory[(1, True)]["probe"] == 64
     assert counts[0] >= 3 and counts[2] <= 1, counts  # 4, 8, 16, ... apart; then 64 apart from the start
 
 
-def test_gate_memory_is_kept_per_batch_size(pair):
+def test_gate_memory_is_kept_per_batch_size_and_sampling_kind(pair):
     """What the gate learns of a batch is its last row's (`controller.batch_curve`), not one row's, so
-    a batch's estimates never become a single prompt's, nor the other way round."""
+    a batch's estimates never become a single prompt's, nor the other way round; and what it learns
+    under argmax never becomes what it expects of samples (a tree accepts other lengths)."""
     target, drafter = pair
     engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4, latency=FixedLatency(BUCKETS),
                     lookup=None)
-    engine._gate_memory.setdefault(1, {}).update(calibration=(0.0, 1.0, 100), a_bar=np.ones(len(BUCKETS)))
-    single = dict(engine._gate_memory[1])
+    engine._gate_memory.setdefault((1, True), {}).update(calibration=(0.0, 1.0, 100), a_bar=np.ones(len(BUCKETS)))
+    single = dict(engine._gate_memory[(1, True)])
     engine.generate([[5, 9, 11, 40, 41], [7, 3, 20]], max_new_tokens=12, mode="bastion")
-    assert set(engine._gate_memory) == {1, 2}
-    assert engine._gate_memory[1] == single  # untouched by the batch
+    engine.generate([[5, 9, 11, 40, 41]], max_new_tokens=12, mode="bastion", sampling=SamplingConfig(0.8), seed=1)
+    assert set(engine._gate_memory) == {(1, True), (2, True), (1, False)}
+    assert engine._gate_memory[(1, True)] == single  # untouched by the batch and by the sampled request
+    assert engine._gate_memory[(1, False)]["calibration"] != single["calibration"]  # learnt from its own start
