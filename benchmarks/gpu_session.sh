@@ -26,7 +26,8 @@
 # verify probe is done (AR 0.57 of the HBM floor on an H200), and 553 s of drafter training gave v17
 # (+9% tau on every evaluation set, 8,117 steps: a GPU's steps are what moves this drafter, the curve was
 # still rising). Never run on a GPU yet: tree_prefill at 8B shapes (perf) and the default pair end to end
-# (e2e). So, after running `training_data/smollm2-135m-instruct/device_pieces.sh` here (three pieces),
+# (e2e). So, after running `training_data/smollm2-135m-instruct/device_pieces.sh` here (three pieces, 63 MiB
+# each with the tracked files: commit nothing between the calls, results after the lease),
 # back to back:
 # The lease is 900 s with the start (~45 s) and the drafter's steps are what moves tau, so the measuring
 # calls are cut to what answers their question:
