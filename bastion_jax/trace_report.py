@@ -113,7 +113,8 @@ def hlo_details(text: str) -> tuple[str, dict[str, str]]:
         m = _INSTR.match(line)
         if not m or m.group("opcode") == "parameter":
             continue
-        shape = re.sub(r"\{[^}]*\}", "", m.group("shape"))  # layouts dropped: f32[4,512]{1,0} -> f32[4,512]
+        # layouts and spaces dropped: f32[4,512]{1,0} -> f32[4,512], (f32[4], s8[64]) -> (f32[4],s8[64])
+        shape = re.sub(r"\s+", "", re.sub(r"\{[^}]*\}", "", m.group("shape")))
         frame = re.search(r"stack_frame_id=(\d+)", line)
         source = where(int(frame.group(1))) if frame else ""
         if not source:  # an op XLA made itself (no metadata): name the arguments it reads, when it reads any
@@ -232,6 +233,7 @@ class StepTracer:
 
     def __init__(self, log_dir: str | Path | None, first: int, steps: int, log: Callable[[str], None]):
         self.log_dir, self.first, self.steps, self.log, self.on = log_dir, first, steps, log, False
+        self.traced = 0
 
     def before(self, done: int) -> None:
         if self.log_dir is not None and done == self.first:
@@ -241,8 +243,10 @@ class StepTracer:
             self.on = True
 
     def after(self, done: int) -> None:
-        if self.on and done == self.first + self.steps:
-            self.close()
+        if self.on:
+            self.traced = done - self.first
+            if done == self.first + self.steps:
+                self.close()
 
     def close(self) -> None:
         if not self.on:
@@ -251,6 +255,11 @@ class StepTracer:
 
         jax.profiler.stop_trace()
         self.on = False
-        s = write(self.log_dir, f"Training steps {self.first + 1}-{self.first + self.steps} of this run", steps=self.steps)
+        try:  # a summary that fails costs the summary, never the run it watched
+            s = write(self.log_dir, f"Training steps {self.first + 1}-{self.first + self.traced} of this run",
+                      steps=self.traced)
+        except Exception as e:  # noqa: BLE001
+            self.log(f"traced {self.traced} steps into {self.log_dir}, not summarised: {e}")
+            return
         per = ", ".join(f"{m} {v['device_us_per_execution'] / 1e3:.1f} ms" for m, v in list(s["modules"].items())[:4])
-        self.log(f"traced {self.steps} training steps into {self.log_dir}: {per} (step-trace.md)")
+        self.log(f"traced {self.traced} training steps into {self.log_dir}: {per} (step-trace.md)")

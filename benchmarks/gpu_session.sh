@@ -47,7 +47,7 @@
 #      31,927 distinct rows, 5.9M loss tokens at seq 384, against the fifth lease's 20,525), 6,000 steps of batch 32 at lr
 #      3e-4 (~410 s on an H200; a shorter budget cuts the cosine on wall time). Its validation walks
 #      32 held-out rows with the head and without it (`walk_tau`, `walk_tau_own` in ret/*-metrics.jsonl);
-#      ret/v9a is best/ by the head's walk, ret/v9a-final the last step; ret/trace-v9a/step-trace.md where a
+#      ret/v9a is best/ by the head's walk, ret/v9a-final the last step; ret/trace-v9a-*/step-trace.md where a
 #      training step's GPU time goes (target feature forward against the drafter's step: `--trace`). The tar comes back in 15 MB pieces
 #      ($OUT allows 16 MB a file: never tar a drafter whole into $OUT). It leaves the converted target
 #      in runs/gpu-drafter/smollm2-f32 on the warm machine;

@@ -85,3 +85,11 @@ def test_an_op_without_source_is_named_by_the_weights_it_reads(tmp_path):
     m = trace_report.summarise(tmp_path)["modules"]["jit_decode"]
     assert m["top"][0]["detail"] == "dot f32[1536,1] <- state.layers.12.mlp.up_proj.weight"
     assert m["sources_us_per_execution"] == pytest.approx({"<- state.layers.*.mlp.up_proj.weight": 7.0})
+
+
+def test_a_tuple_shaped_op_keeps_its_shape_whole():
+    """(a GPU gemm is a custom-call returning (result, workspace): its shape must not split the detail,
+    or the by-source totals would group it under a piece of its shape)"""
+    text = ("HloModule jit_x\n\nENTRY %main {\n  %p.1 = f32[4,8]{1,0} parameter(0), metadata={op_name=\"state['w']\"}\n"
+            "  %cc.3 = (f32[4,8]{1,0}, s8[64]{0}) custom-call(%p.1), custom_call_target=\"__cublas$gemm\"\n}\n")
+    assert trace_report.hlo_details(text)[1] == {"cc.3": "custom-call (f32[4,8],s8[64]) <- state.w"}

@@ -136,7 +136,7 @@ train() {  # name args...: retried with other XLA settings / a bf16 target if it
     echo "== $name: variant $variant, ${left}s" >> "$W/logs/train-$name.log"
     XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 timeout -s INT -k 10 $(( STOP_AT - $(elapsed) )) \
       $PY -m bastion_jax.train_drafter train "$@" \
-      --dtype "$dtype" --out "$W/$name-$variant" --max-seconds "$left" --trace "$W/ret/trace-$name" \
+      --dtype "$dtype" --out "$W/$name-$variant" --max-seconds "$left" --trace "$W/ret/trace-$name-$variant" \
       >> "$W/logs/train-$name.log" 2>&1
     echo "== $name: exit $?" >> "$W/logs/train-$name.log"
     # a run that validated a trained step has an export to bring back, even if the hard stop ended it
