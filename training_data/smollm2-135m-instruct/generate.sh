@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18 p19 c20 c21 m22 c23 k24; do
+for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18 p19 c20 c21 m22 c23 k24 m25; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
@@ -97,3 +97,11 @@ greedy_chat 23
 python -m bastion_jax.train_drafter data --out runs/data/k24.jsonl --num 1500 --seed 24 --sources --stdlib 0 \
   --magpie 1500 --magpie-openers code --max-new-tokens 256 --batch-size 48 --temperature 0
 python -m bastion_jax.train_drafter pack --data runs/data/k24.jsonl --out $here/k24.npz --vocab-size 49152
+# More maths and function completions (2026-12-05, the end of a CPU-only session): 900 maths problems of
+# the target's own (seed 25, magpie_prompts_m25.jsonl.gz, committed) and 600 function-completion prompts
+# (--docstrings), as m17; T = 0. Only the prompts are committed so far: 768 greedy answers were made
+# (629 new rows, 118,037 tokens) but the set would push the GGUF's device pieces from three to four
+# (device_pieces.sh); this command makes the answers again (greedy: the same ones) when there is room.
+python -m bastion_jax.train_drafter data --out runs/data/m25.jsonl --num 1500 --seed 25 --sources --stdlib 0 \
+  --docstrings 600 --magpie 900 --magpie-openers math --max-new-tokens 256 --batch-size 48 --temperature 0
+python -m bastion_jax.train_drafter pack --data runs/data/m25.jsonl --out $here/m25.npz --vocab-size 49152
