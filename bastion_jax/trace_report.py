@@ -72,7 +72,13 @@ _TABLE_ROW = re.compile(r"^(\d+) (.*)$")
 
 
 def hlo_details(text: str) -> tuple[str, dict[str, str]]:
-    """(module name, {instruction: "opcode shape file:line function"}) from a compiled program's HLO
+    """(module name, {instruction: "opcode shape file:line function"}): `hlo_ops` joined for reading."""
+    module, ops = hlo_ops(text)
+    return module, {name: " ".join(x for x in fields if x) for name, fields in ops.items()}
+
+
+def hlo_ops(text: str) -> tuple[str, dict[str, tuple[str, str, str]]]:
+    """(module name, {instruction: (opcode, shape, source)}) from a compiled program's HLO
     text (`Compiled.as_text()`): what an op of the trace is, in shapes and the source line it came
     from (the innermost frame of its `stack_frame_id`, through the text's FileNames / FunctionNames /
     FileLocations / StackFrames tables)."""
@@ -101,17 +107,15 @@ def hlo_details(text: str) -> tuple[str, dict[str, str]]:
         func = tables.get("FunctionNames", {}).get(field(loc, "function_name_id"), "?").strip('"')
         return f"{Path(file).name}:{field(loc, 'line')} {func}"
 
+    instrs = [(m, line) for line in lines if (m := _INSTR.match(line))]  # every instruction, parsed once
     params = {}  # an entry parameter's instruction name -> the argument path JAX named it by
-    for line in lines:
-        m = _INSTR.match(line)
-        if m and m.group("opcode") == "parameter":
-            named = re.search(r'op_name="([^"]+)"', line)
-            if named:
-                params[m.group("name")] = _arg_path(named.group(1))
+    for m, line in instrs:
+        named = re.search(r'op_name="([^"]+)"', line) if m.group("opcode") == "parameter" else None
+        if named:
+            params[m.group("name")] = _arg_path(named.group(1))
     details = {}
-    for line in lines:
-        m = _INSTR.match(line)
-        if not m or m.group("opcode") == "parameter":
+    for m, line in instrs:
+        if m.group("opcode") == "parameter":
             continue
         # layouts and spaces dropped: f32[4,512]{1,0} -> f32[4,512], (f32[4], s8[64]) -> (f32[4],s8[64])
         shape = re.sub(r"\s+", "", re.sub(r"\{[^}]*\}", "", m.group("shape")))
@@ -120,7 +124,7 @@ def hlo_details(text: str) -> tuple[str, dict[str, str]]:
         if not source:  # an op XLA made itself (no metadata): name the arguments it reads, when it reads any
             reads = [params[n] for n in re.findall(r"%([^\s,)]+)", line[m.end():]) if n in params]
             source = "<- " + ", ".join(reads) if reads else ""
-        details[m.group("name")] = " ".join(x for x in (m.group("opcode"), shape, source) if x)
+        details[m.group("name")] = (m.group("opcode"), shape, source)
     return module, details
 
 
@@ -130,12 +134,12 @@ def _arg_path(op_name: str) -> str:
     return re.sub(r"\[\\?'?([^\]'\\]+)\\?'?\]", r".\1", op_name)
 
 
-def load_hlo(log_dir: Path) -> dict[str, dict[str, str]]:
-    """{module: hlo_details} of every `*.hlo.txt.gz` in `log_dir` (written beside a trace by `take`)."""
+def load_hlo(log_dir: Path) -> dict[str, dict[str, tuple[str, str, str]]]:
+    """{module: hlo_ops} of every `*.hlo.txt.gz` in `log_dir` (written beside a trace by `take`)."""
     out = {}
     for f in sorted(log_dir.glob("*.hlo.txt.gz")):
         with gzip.open(f, "rt") as fp:
-            module, details = hlo_details(fp.read())
+            module, details = hlo_ops(fp.read())
         out[module] = details
     return out
 
@@ -165,26 +169,27 @@ def summarise(path: str | Path, top: int = 25) -> dict:
         ops: dict[str, dict] = {}
         for e in evs:
             op = e["args"]["hlo_op"]
-            o = ops.setdefault(op, {"op": op, "kernel": e.get("name", op), "us": 0.0, "calls": 0,
-                                    "detail": hlo.get(module, {}).get(op, "")})
-            o["us"] += float(e.get("dur", 0.0))
-            o["calls"] += 1
+            if op not in ops:
+                fields = hlo.get(module, {}).get(op, ("", "", ""))
+                name = e.get("name", op)
+                ops[op] = {"op": op, "kernel": name, "us": 0.0, "calls": 0, "kind": kind(name + " " + op),
+                           "detail": " ".join(x for x in fields if x), "source": fields[2]}
+            ops[op]["us"] += float(e.get("dur", 0.0))
+            ops[op]["calls"] += 1
         ranked = sorted(ops.values(), key=lambda o: -o["us"])
         kinds: dict[str, float] = defaultdict(float)
-        for o in ranked:
-            kinds[kind(o["kernel"] + " " + o["op"])] += o["us"]
         sources: dict[str, float] = defaultdict(float)  # op time by the source line it came from
         for o in ranked:
-            where = o["detail"].split(" ", 2)[2] if o["detail"].count(" ") >= 2 else ""
-            sources[re.sub(r"\.\d+\.", ".*.", where) or "(no source line)"] += o["us"]  # layers.8. -> layers.*.
+            kinds[o["kind"]] += o["us"]
+            sources[re.sub(r"\.\d+\.", ".*.", o["source"]) or "(no source line)"] += o["us"]  # layers.8. -> layers.*.
         modules[module] = {
             "executions": runs, "ops": len(ops), "op_events": len(evs), "device_us_per_execution": total / runs,
             "span_us_per_execution": (sum(spans) / len(spans)) if spans else None,
             "kinds_us_per_execution": {k: v / runs for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "sources_us_per_execution": ({k: v / runs for k, v in sorted(sources.items(), key=lambda kv: -kv[1])[:top]}
                                          if hlo.get(module) else {}),
-            "top": [dict(o, us_per_execution=o["us"] / runs, share=o["us"] / total if total else 0.0,
-                         kind=kind(o["kernel"] + " " + o["op"])) for o in ranked[:top]]}
+            "top": [dict(o, us_per_execution=o["us"] / runs, share=o["us"] / total if total else 0.0)
+                    for o in ranked[:top]]}
     return {"trace": str(f), "modules": dict(sorted(modules.items(), key=lambda kv: -kv[1]["device_us_per_execution"]))}
 
 
