@@ -21,6 +21,13 @@ then replay on that table:
 Reported per prompt set: tau and the predicted tokens/s over AR. The context lookup is off (the
 drafter's trees alone), and the table's acceptance agrees with the engine's fixed:b tau to within a
 few % (the engine's drafter context comes from verify forwards, not one causal pass).
+
+Sampling (`--temperature T`): the answers are the target's own samples at T, and the table reads them
+as it reads greedy ones. That is exact in law, not an approximation: verification at T samples the
+target's token at each node and walks down while the sample is a child (`tree_decoding`), so along
+the accepted path the samples are the target's autoregressive samples, the same law as an AR answer
+at T; the steps a policy takes are a function of that sampled text (and of the trees, which the text
+fixes), so replaying them on one sampled answer is one draw of what decoding at T does.
 Writes benchmarks/results/<name>.json and .md with device, date and commit.
 """
 
@@ -48,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompts", type=int, default=8, help="prompts per set (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--drafter", help="drafter dir (default: the shipped drafter)")
+    p.add_argument("--temperature", type=float, default=0.0, help="answers sampled at this temperature (default 0: "
+                   "greedy); the tables then hold what decoding at T accepts (see above)")
+    p.add_argument("--seed", type=int, default=0, help="the answers' sampling seed (T > 0)")
     p.add_argument("--buckets", default="1,4,8,16,32,64")
     p.add_argument("--fixed", default="4,8,16", help="fixed:N sizes to replay (must be buckets)")
     p.add_argument("--no-calibrate", action="store_true", help="price steps with a saved calibration or else the "
@@ -107,51 +117,77 @@ def acceptance_table(trees, buckets: tuple[int, ...], slots: int, prompt: list[i
     return accepted, surrogate
 
 
-def lattice_pass(engine):
-    """A traceable function tokens [1, S], anchors [N] -> the drafter's log-distributions [N, B-1, draft
-    vocab] of the block anchored at each position (target features, then every block at once: the same
-    drafter math as decoding)."""
-    import jax
+def hidden_pass(engine):
+    """A traceable function tokens [1, S], anchors [N] -> the drafter's hidden states [N, B-1, h] of the
+    block anchored at each position (target features, then every block at once: the same drafter math
+    as decoding)."""
     import jax.numpy as jnp
     from flax import nnx
 
-    from bastion_jax.speculative import head_logits
     from bastion_jax.training.forward import drafter_blocks, target_features
 
-    target, drafter, vocab = engine.target, engine.drafter, engine.draft_vocab
+    target, drafter = engine.target, engine.drafter
     tm, dm = nnx.merge(target.graphdef, target.state), nnx.merge(drafter.graphdef, drafter.state)
     cfg = drafter.config
     taps, block = tuple(cfg.target_layer_ids), cfg.block_size
 
-    def lattice(tokens, anchors):  # tokens [1, S], anchors [N]
+    def hidden(tokens, anchors):  # tokens [1, S], anchors [N]
         feats = target_features(tm, tokens, taps, target.dtype)  # [1, S, F]
         k = jnp.arange(block)
         ids = jnp.where(k == 0, tokens[0, anchors][:, None], cfg.mask_token_id)  # [N, B]
-        hidden = drafter_blocks(dm, tm.embed_tokens(ids)[None], (anchors[:, None] + k)[None], anchors[None],
-                                jnp.ones((1, anchors.shape[0]), bool), feats)[0, :, 1:]  # [N, B-1, h]
-        return jax.nn.log_softmax(head_logits(tm, hidden, vocab), axis=-1)  # [N, B-1, draft vocab]
+        return drafter_blocks(dm, tm.embed_tokens(ids)[None], (anchors[:, None] + k)[None], anchors[None],
+                              jnp.ones((1, anchors.shape[0]), bool), feats)[0, :, 1:]  # [N, B-1, h]
 
-    return lattice
+    return hidden, tm, dm
+
+
+def lattice_pass(engine):
+    """A traceable function tokens [1, S], anchors [N] -> the drafter's head-free log-distributions
+    [N, B-1, draft vocab] of the block anchored at each position."""
+    import jax
+
+    from bastion_jax.speculative import head_logits
+
+    hidden, tm, _ = hidden_pass(engine)
+    return lambda tokens, anchors: jax.nn.log_softmax(head_logits(tm, hidden(tokens, anchors), engine.draft_vocab),
+                                                      axis=-1)
 
 
 def tree_pass(engine, transform=None):
     """The jitted pass tokens [1, S], anchors [N] -> the best-first tree (engine.top_k wide, max bucket
-    nodes) drafted at every anchor. `transform` (traceable, [N, B-1, V] -> same) rescores the lattice
-    before the tree is built (an experiment's calibration; None: the drafter's log-probs as decoding
-    uses them)."""
+    nodes) drafted at every anchor, as decoding drafts it: through the drafter's conditioned head where
+    it has one (the spine, and depths 2 .. engine.cond_depths from each parent's own law, on
+    engine.cond_candidates columns). `transform` (traceable, [N, B-1, V] -> same) rescores the head-free
+    lattice before the tree is built (an experiment's calibration, head off; None: the drafter's laws as
+    decoding uses them)."""
     import jax
 
+    from bastion_jax.modeling.cond_head import head_law, head_table, spine_logits
+    from bastion_jax.speculative import head_logits
     from bastion_jax.tree import build_tree
+    from bastion_jax.tree_decoding import draft_trees
 
-    lattice, nodes = lattice_pass(engine), max(engine.buckets)
-    ids_map = engine.draft_vocab.ids if engine.draft_vocab is not None else None
+    hidden, tm, dm = hidden_pass(engine)
+    vocab, nodes = engine.draft_vocab, max(engine.buckets)
+    ids_map = vocab.ids if vocab is not None else None
+    with_head = transform is None and dm.cond_head is not None
+    depths = engine.cond_depths if with_head and engine.cond_depths >= 2 else 0
 
     @jax.jit
     def trees(tokens, anchors):  # tokens [1, S], anchors [N]
-        lp = lattice(tokens, anchors)
+        roots = tokens[0, anchors]  # [N]
+        h = hidden(tokens, anchors)  # [N, B-1, h]
+        base = head_logits(tm, h, vocab)  # [N, B-1, vocab or N]
+        if with_head:  # each anchor is a row, as a batch of rows drafts (`speculative.draft_logits`)
+            table = vocab.cond_table if vocab is not None else head_table(
+                dm.cond_head, lambda x: head_logits(tm, x, vocab))
+            law = head_law(dm.cond_head, h, base, tm.embed_tokens.weight[...], table, engine.cond_candidates)
+            return draft_trees(tuple(engine.buckets), engine.top_k, depths, roots, spine_logits(law, roots, ids_map),
+                               ids_map, None, law if depths else None)[0]
+        lp = jax.nn.log_softmax(base, axis=-1)
         if transform is not None:
             lp = transform(lp)
-        return jax.vmap(lambda r, l: build_tree(r, l, nodes, engine.top_k, ids_map))(tokens[0, anchors], lp)
+        return jax.vmap(lambda r, l: build_tree(r, l, nodes, engine.top_k, ids_map))(roots, lp)
 
     return trees
 
@@ -289,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.save_tables and not Path(args.save_tables).resolve().parent.is_dir():
             raise ValueError(f"--save-tables {args.save_tables}: no such directory to write it in")
         fixed = [int(x) for x in args.fixed.split(",") if x.strip()]
+        sampling = SamplingConfig(temperature=args.temperature)
         if not set(fixed) <= set(buckets):
             raise PolicyError(f"--fixed {args.fixed}: every size must be one of --buckets {args.buckets}")
         target = load_target(default_target_dir(verbose=not args.quiet))
@@ -310,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     saved: dict[str, dict[str, np.ndarray]] = {}
     for name, texts in sets.items():
         ids = [encode_prompt(tokenizer, p) for p in texts]
-        answers = engine.generate(ids, max_new_tokens=args.max_new_tokens, mode="ar").tokens
+        answers = engine.generate(ids, max_new_tokens=args.max_new_tokens, mode="ar", sampling=sampling,
+                                  seed=args.seed).tokens
         tot = {p: [0.0, 0] for p in policies}  # seconds, steps
         tokens = 0
         for k, (prompt, answer) in enumerate(zip(ids, answers)):
@@ -334,10 +372,13 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"device": str(__import__("jax").devices()[0].device_kind), "date": datetime.date.today().isoformat(),
             "commit": commit(), "drafter": str(args.drafter or "shipped"), "max_prompts": args.max_prompts,
-            "max_new_tokens": args.max_new_tokens, "buckets": list(buckets)}
+            "max_new_tokens": args.max_new_tokens, "buckets": list(buckets), "temperature": args.temperature,
+            "seed": args.seed, "cond_depths": engine.cond_depths, "cond_candidates": engine.cond_candidates}
     name = args.name or f"{__import__('jax').default_backend()}-smollm2-gate-headroom"
     lines = [f"# {name}", "", f"{meta['device']}, {meta['date']}, commit {meta['commit']}, drafter {meta['drafter']}, "
-             f"{args.max_prompts} prompts per set, {args.max_new_tokens} new tokens, T=0, lookup off. Predicted "
+             f"{args.max_prompts} prompts per set, {args.max_new_tokens} new tokens, T={args.temperature:g}"
+             + (f" (seed {args.seed})" if args.temperature else "") + f", lookup off, conditioned head depths "
+             f"{engine.cond_depths if drafter.config.cond_head_rank else 'none'}. Predicted "
              "tokens/s over AR from the calibrated step prices (tau in brackets; the oracle's tau is not a step "
              "count).", "", "| set | " + " | ".join(policies) + " |", "|---" * (len(policies) + 1) + "|"]
     for set_name, rows in report.items():

@@ -65,16 +65,35 @@ def tiny_engine(converted):
     return Engine(target, drafter=drafter, stop_ids=[-1], buckets=BUCKETS, top_k=4, lookup=None)
 
 
-def test_table_steps_equal_the_engines_fixed_steps(tiny_engine):
-    """Replaying fixed:b on the table takes exactly the steps the engine's fixed:b decoding took."""
+@pytest.fixture(scope="module")
+def head_engine(tiny_engine):
+    """The tiny engine's drafter with a strong random recurrent conditioned head, drafting depths 2-3
+    from each parent's own law on 6 candidate columns of a reduced draft vocabulary."""
+    from test_cond_head import with_head
+
+    from bastion_jax.engine import Engine
+    from bastion_jax.speculative import DraftVocab
+
+    target = tiny_engine.target
+    ranking = np.random.default_rng(1).permutation(target.config.vocab_size)
+    return Engine(target, drafter=with_head(tiny_engine.drafter, 8, seed=5, scale=3.0, recurrent=True),
+                  stop_ids=[-1], buckets=BUCKETS, top_k=4, lookup=None, cond_depths=3, cond_candidates=6,
+                  draft_vocab=DraftVocab.from_ranking(target, ranking, 48))
+
+
+@pytest.mark.parametrize("which", ["tiny_engine", "head_engine"])
+def test_table_steps_equal_the_engines_fixed_steps(which, request):
+    """Replaying fixed:b on the table takes exactly the steps the engine's fixed:b decoding took, with
+    the trees drafted as decoding drafts them (through a conditioned head too)."""
+    engine = request.getfixturevalue(which)
     prompts = [[5, 9, 11, 40, 41], [7, 3, 20], [60, 61, 62, 63]]
-    answers = tiny_engine.generate(prompts, max_new_tokens=24, mode="ar").tokens
-    trees = gh.tree_pass(tiny_engine)
+    answers = engine.generate(prompts, max_new_tokens=24, mode="ar").tokens
+    trees = gh.tree_pass(engine)
     tables = [gh.acceptance_table(trees, BUCKETS, 24, p, a) for p, a in zip(prompts, answers)]
     accepted = sum(int(acc[:, 1:].sum()) for acc, _ in tables)
     assert accepted > 0  # the random drafter's trees do meet the greedy text sometimes
     for b in (4, 8):
-        res = tiny_engine.generate(prompts, max_new_tokens=24, mode=f"fixed:{b}")
+        res = engine.generate(prompts, max_new_tokens=24, mode=f"fixed:{b}")
         assert res.tokens == answers
         steps = sum(gh.replay_fixed(acc, UnitPrices(), BUCKETS.index(b))[1] for acc, _ in tables)
         assert steps == res.stats.row_steps
