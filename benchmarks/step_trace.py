@@ -32,28 +32,21 @@ def take(engine, cache_len: int, context: int, bucket: int, steps: int, log_dir:
     engine's table: compiled already when the caller measured them). Writes step-trace.md / .json
     beside the trace and returns the summary."""
     import jax
-    import numpy as np
 
-    from bastion_jax.sampling import SamplingConfig, sampler
-    from benchmarks.verify_probe import sample_tree
+    from bastion_jax.sampling import SamplingConfig
+    from benchmarks.verify_probe import TargetSteps
 
-    exe, sampling = engine.executables, SamplingConfig()
-    ar_step = exe.decode(1, cache_len, sampling)
+    exe = engine.executables
+    ar_step = exe.decode(1, cache_len, SamplingConfig())
     verify = exe.verify_steps(1, cache_len, (bucket,))[bucket]
     exe.ready()
-    params, key = exe.target_params, sampler(jax.random.PRNGKey(0), sampling)
-    tree = sample_tree(exe, engine.block_size - 1, 1, cache_len, engine.top_k)
-    box = {"cache": exe.new_cache(1, cache_len)}
-    token, active = jax.device_put(np.zeros(1, np.int32)), jax.device_put(np.ones(1, bool))
-    length = jax.device_put(np.full(1, context, np.int32))
+    calls, length = TargetSteps(engine, cache_len, ar_step, {bucket: verify}), TargetSteps.lengths(context)
 
     def ar():
-        box["cache"], nxt = ar_step(params, box["cache"], token, length, key, active)
-        return nxt
+        return calls.ar(length)
 
     def ver():
-        box["cache"], choices = verify(params, box["cache"], tree, length)
-        return choices
+        return calls.verify(bucket, length)
 
     jax.block_until_ready(ar())
     jax.block_until_ready(ver())

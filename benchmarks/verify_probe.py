@@ -51,6 +51,43 @@ def sample_tree(exe, depth: int, batch: int, cache_len: int, top_k: int, seed: i
     return jax.tree.map(lambda x, s: x.astype(s.dtype), tree, struct)
 
 
+class TargetSteps:
+    """One row's plain AR step and tree_verify(b) steps on a shared cache, called one step at a time
+    on the engine's compiled executables with a fixed drafted tree (`sample_tree`): what `measure`
+    times and `step_trace.take` traces, so both run exactly the same calls."""
+
+    def __init__(self, engine, cache_len: int, ar_step, verify: dict):
+        import jax
+        import numpy as np
+
+        from bastion_jax.sampling import SamplingConfig, sampler
+
+        exe = engine.executables
+        self.ar_step, self.verify_fns = ar_step, verify
+        self.params, self.key = exe.target_params, sampler(jax.random.PRNGKey(0), SamplingConfig())
+        self.tree = sample_tree(exe, engine.block_size - 1, 1, cache_len, engine.top_k)
+        self.cache = exe.new_cache(1, cache_len)
+        self.token, self.active = jax.device_put(np.zeros(1, np.int32)), jax.device_put(np.ones(1, bool))
+
+    @staticmethod
+    def lengths(context: int):
+        """The committed length [1] of a step at `context`."""
+        import jax
+        import numpy as np
+
+        return jax.device_put(np.full(1, context, np.int32))
+
+    def ar(self, length):
+        """One AR step (not waited on): its next token [1]."""
+        self.cache, nxt = self.ar_step(self.params, self.cache, self.token, length, self.key, self.active)
+        return nxt
+
+    def verify(self, bucket: int, length):
+        """One tree_verify(bucket) step (not waited on): the target's choices."""
+        self.cache, choices = self.verify_fns[bucket](self.params, self.cache, self.tree, length)
+        return choices
+
+
 def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
     """{compile_s, prefill_s, ar_step_s, verify_s, forward_s} at batch 1 (seconds; the prefill of the
     longest context's prompt, the last three per context, and per bucket for verify / forward)."""
@@ -58,7 +95,7 @@ def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
     import numpy as np
 
     from bastion_jax.profiler import median_s
-    from bastion_jax.sampling import SamplingConfig, sampler
+    from bastion_jax.sampling import SamplingConfig
 
     exe, buckets = engine.executables, engine.buckets
     compile_s: dict[str, float] = {}
@@ -76,11 +113,8 @@ def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
     prefill, ar_step = timed(f"ar decode + prefill({prompt})", lambda: exe.ar(1, prompt, cache_len, sampling))
     verify = {b: timed(f"tree_verify({b})", lambda b=b: exe.verify_steps(1, cache_len, (b,))[b]) for b in buckets}
     forward = {b: timed(f"forward({b})", lambda b=b: exe.forward(1, cache_len, b)) for b in buckets}
-    tree = sample_tree(exe, engine.block_size - 1, 1, cache_len, engine.top_k)
-    params, key = exe.target_params, sampler(jax.random.PRNGKey(0), sampling)
-    box = {"cache": exe.new_cache(1, cache_len)}
-    token = jax.device_put(np.zeros(1, np.int32))
-    active = jax.device_put(np.ones(1, bool))
+    steps = TargetSteps(engine, cache_len, ar_step, verify)
+    params, key = steps.params, steps.key
     result = {"compile_s": compile_s, "ar_step_s": {}, "verify_s": {}, "forward_s": {}}
     prompt_tokens = jax.device_put(np.zeros((1, prompt), np.int32))
     prompt_len = jax.device_put(np.full(1, prompt, np.int32))
@@ -93,22 +127,16 @@ def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
             times.append(time.perf_counter() - t0)
     result["prefill_s"] = {str(prompt): statistics.median(times)}
     for c in contexts:
-        length = jax.device_put(np.full(1, c, np.int32))
-
-        def ar():
-            box["cache"], nxt = ar_step(params, box["cache"], token, length, key, active)
-            jax.block_until_ready(nxt)
-
-        result["ar_step_s"][str(c)] = median_s(ar, reps, warmup)
+        length = steps.lengths(c)
+        result["ar_step_s"][str(c)] = median_s(lambda: jax.block_until_ready(steps.ar(length)), reps, warmup)
         for b in buckets:
             tokens = jax.device_put(np.zeros((1, b), np.int32))
 
             def ver(b=b):
-                box["cache"], choices = verify[b](params, box["cache"], tree, length)
-                jax.block_until_ready(choices)
+                jax.block_until_ready(steps.verify(b, length))
 
             def fwd(b=b, tokens=tokens):
-                box["cache"], out = forward[b](params, box["cache"], tokens, length)
+                steps.cache, out = forward[b](params, steps.cache, tokens, length)
                 jax.block_until_ready(out)
 
             result["verify_s"][f"{b}@{c}"] = median_s(ver, reps, warmup)
