@@ -41,7 +41,8 @@ from pathlib import Path
 import numpy as np
 
 from bastion_jax.acceptance import STANDARD_SETS, PromptError, read_prompts, resolve_prompt_file
-from bastion_jax.cli import fail, stderr_log
+from bastion_jax.cli import (add_cond_head_flags, check_cond_head, fail, head_setting_words, resolve_cond_head,
+                             stderr_log)
 from benchmarks.report import commit, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="answers sampled at this temperature (default 0: "
                    "greedy); the tables then hold what decoding at T accepts (see above)")
     p.add_argument("--seed", type=int, default=0, help="the answers' sampling seed (T > 0)")
+    add_cond_head_flags(p)
     p.add_argument("--buckets", default="1,4,8,16,32,64")
     p.add_argument("--fixed", default="4,8,16", help="fixed:N sizes to replay (must be buckets)")
     p.add_argument("--no-calibrate", action="store_true", help="price steps with a saved calibration or else the "
@@ -329,10 +331,13 @@ def main(argv: list[str] | None = None) -> int:
         if not set(fixed) <= set(buckets):
             raise PolicyError(f"--fixed {args.fixed}: every size must be one of --buckets {args.buckets}")
         target = load_target(default_target_dir(verbose=not args.quiet))
-        drafter = load_drafter(args.drafter or default_drafter_dir(), target.config, target.dtype)
+        drafter = load_drafter(args.drafter or default_drafter_dir(), target.config, target.dtype,
+                               cond_head=resolve_cond_head(args.cond_head))
+        check_cond_head(args.cond_head, drafter)
         tokenizer = load_tokenizer(target)
         engine = Engine(target, tokenizer, drafter=drafter, buckets=buckets, lookup=None,
-                        draft_vocab=resolve_draft_vocab(target, drafter, "auto"))
+                        draft_vocab=resolve_draft_vocab(target, drafter, "auto"), cond_depths=args.cond_depths,
+                        cond_candidates=args.cond_candidates)
         model = calibration_model(target, drafter, engine.draft_vocab, lookup=False, cond_depths=engine.cond_depths,
                                   cond_candidates=engine.cond_candidates)
         load_or_calibrate(engine, model, 1024, SamplingConfig(), args.no_calibrate, log, refresh=args.recalibrate)
@@ -373,12 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": str(__import__("jax").devices()[0].device_kind), "date": datetime.date.today().isoformat(),
             "commit": commit(), "drafter": str(args.drafter or "shipped"), "max_prompts": args.max_prompts,
             "max_new_tokens": args.max_new_tokens, "buckets": list(buckets), "temperature": args.temperature,
-            "seed": args.seed, "cond_depths": engine.cond_depths, "cond_candidates": engine.cond_candidates}
+            "seed": args.seed, "cond_head": head_setting_words(engine) or "none"}
     name = args.name or f"{__import__('jax').default_backend()}-smollm2-gate-headroom"
     lines = [f"# {name}", "", f"{meta['device']}, {meta['date']}, commit {meta['commit']}, drafter {meta['drafter']}, "
              f"{args.max_prompts} prompts per set, {args.max_new_tokens} new tokens, T={args.temperature:g}"
-             + (f" (seed {args.seed})" if args.temperature else "") + f", lookup off, conditioned head depths "
-             f"{engine.cond_depths if drafter.config.cond_head_rank else 'none'}. Predicted "
+             + (f" (seed {args.seed})" if args.temperature else "") + f", lookup off, conditioned head: "
+             f"{meta['cond_head']}. Predicted "
              "tokens/s over AR from the calibrated step prices (tau in brackets; the oracle's tau is not a step "
              "count).", "", "| set | " + " | ".join(policies) + " |", "|---" * (len(policies) + 1) + "|"]
     for set_name, rows in report.items():
