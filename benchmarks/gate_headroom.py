@@ -4,8 +4,8 @@
     python -m benchmarks.gate_headroom --drafter runs/v8/best --max-prompts 16 --name my-run
     python -m benchmarks.gate_headroom --save-tables runs/t.npz   # then replay other gates: load_tables
 
-For every position t of each prompt's AR greedy answer it drafts the tree bastion would draft at t
-and measures how much of it verification would accept at each bucket, against the known greedy
+For every position t of each prompt's AR answer it drafts the tree bastion would draft at t and
+measures how much of it verification would accept at each bucket, against the answer's known
 continuation, so nothing is verified on the target. One target pass (the tapped features) and one
 drafter pass with every position as a block anchor (`training.forward.drafter_blocks`, the same
 drafter math as decoding) serve a whole answer. With the engine's calibrated step prices, policies
@@ -23,11 +23,13 @@ drafter's trees alone), and the table's acceptance agrees with the engine's fixe
 few % (the engine's drafter context comes from verify forwards, not one causal pass).
 
 Sampling (`--temperature T`): the answers are the target's own samples at T, and the table reads them
-as it reads greedy ones. That is exact in law, not an approximation: verification at T samples the
-target's token at each node and walks down while the sample is a child (`tree_decoding`), so along
-the accepted path the samples are the target's autoregressive samples, the same law as an AR answer
-at T; the steps a policy takes are a function of that sampled text (and of the trees, which the text
-fixes), so replaying them on one sampled answer is one draw of what decoding at T does.
+as it reads greedy ones. The sampling adds no approximation: verification at T draws the target's
+token at each node and walks down while the draw is a child (`tree_decoding`), so the text decoding
+emits follows the target's autoregressive law at T, as an AR answer does, and the steps a policy
+takes are a function of that text (which fixes the trees too): replaying them on one sampled answer
+is one draw, in law, of what decoding at T does. The table's other approximations stay (the causal
+drafter pass above; each answer replayed from a fresh gate, where the engine carries the gate's
+memory across requests).
 Writes benchmarks/results/<name>.json and .md with device, date and commit.
 """
 
@@ -37,6 +39,7 @@ import argparse
 import datetime
 import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -102,7 +105,7 @@ def acceptance_table(trees, buckets: tuple[int, ...], slots: int, prompt: list[i
     tree = trees(*pass_inputs(seq, anchors, max(n, slots)))
     tokens, parents, depths, log_probs = (np.asarray(x)[:n] for x in jax.device_get(
         (tree.tokens, tree.parents, tree.depths, tree.log_probs)))  # [T, nodes] each
-    # Node j is accepted when its parent is and it equals the greedy token at its depth (parents
+    # Node j is accepted when its parent is and it equals the answer's token at its depth (parents
     # precede children in a best-first tree).
     cont = np.full((n, tokens.shape[1] + 1), -2, np.int64)
     for t in range(n):
@@ -119,10 +122,10 @@ def acceptance_table(trees, buckets: tuple[int, ...], slots: int, prompt: list[i
     return accepted, surrogate
 
 
-def hidden_pass(engine):
+def hidden_pass(engine) -> tuple[Callable, object, object]:
     """A traceable function tokens [1, S], anchors [N] -> the drafter's hidden states [N, B-1, h] of the
     block anchored at each position (target features, then every block at once: the same drafter math
-    as decoding)."""
+    as decoding), and the merged target and drafter modules it reads."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -155,13 +158,13 @@ def lattice_pass(engine):
                                                       axis=-1)
 
 
-def tree_pass(engine, transform=None):
+def tree_pass(engine, transform=None, head: bool = True):
     """The jitted pass tokens [1, S], anchors [N] -> the best-first tree (engine.top_k wide, max bucket
     nodes) drafted at every anchor, as decoding drafts it: through the drafter's conditioned head where
     it has one (the spine, and depths 2 .. engine.cond_depths from each parent's own law, on
-    engine.cond_candidates columns). `transform` (traceable, [N, B-1, V] -> same) rescores the head-free
-    lattice before the tree is built (an experiment's calibration, head off; None: the drafter's laws as
-    decoding uses them)."""
+    engine.cond_candidates columns). `head` False: from the head-free laws (`lattice_pass`'s).
+    `transform` (traceable, [N, B-1, V] -> same) rescores those head-free laws before the tree is built
+    (an experiment's calibration, with `head=False` only)."""
     import jax
 
     from bastion_jax.modeling.cond_head import head_law, head_table, spine_logits
@@ -172,7 +175,9 @@ def tree_pass(engine, transform=None):
     hidden, tm, dm = hidden_pass(engine)
     vocab, nodes = engine.draft_vocab, max(engine.buckets)
     ids_map = vocab.ids if vocab is not None else None
-    with_head = transform is None and dm.cond_head is not None
+    with_head = head and dm.cond_head is not None
+    if with_head and transform is not None:
+        raise ValueError("a transform rescores the head-free laws: pass head=False with it")
     depths = engine.cond_depths if with_head and engine.cond_depths >= 2 else 0
 
     @jax.jit
@@ -181,7 +186,7 @@ def tree_pass(engine, transform=None):
         h = hidden(tokens, anchors)  # [N, B-1, h]
         base = head_logits(tm, h, vocab)  # [N, B-1, vocab or N]
         if with_head:  # each anchor is a row, as a batch of rows drafts (`speculative.draft_logits`)
-            table = vocab.cond_table if vocab is not None else head_table(
+            table = vocab.cond_table if vocab is not None and vocab.cond_table is not None else head_table(
                 dm.cond_head, lambda x: head_logits(tm, x, vocab))
             law = head_law(dm.cond_head, h, base, tm.embed_tokens.weight[...], table, engine.cond_candidates)
             return draft_trees(tuple(engine.buckets), engine.top_k, depths, roots, spine_logits(law, roots, ids_map),
@@ -340,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                         cond_candidates=args.cond_candidates)
         model = calibration_model(target, drafter, engine.draft_vocab, lookup=False, cond_depths=engine.cond_depths,
                                   cond_candidates=engine.cond_candidates)
-        load_or_calibrate(engine, model, 1024, SamplingConfig(), args.no_calibrate, log, refresh=args.recalibrate)
+        load_or_calibrate(engine, model, 1024, sampling, args.no_calibrate, log, refresh=args.recalibrate)
         trees = tree_pass(engine)
         sets = {Path(resolve_prompt_file(s)).name.split(".")[0]: read_prompts(resolve_prompt_file(s), args.max_prompts)
                 for s in args.prompts}
@@ -378,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": str(__import__("jax").devices()[0].device_kind), "date": datetime.date.today().isoformat(),
             "commit": commit(), "drafter": str(args.drafter or "shipped"), "max_prompts": args.max_prompts,
             "max_new_tokens": args.max_new_tokens, "buckets": list(buckets), "temperature": args.temperature,
-            "seed": args.seed, "cond_head": head_setting_words(engine) or "none"}
+            "seed": args.seed, "cond_head": head_setting_words(engine) or "none", "cond_depths": engine.cond_depths,
+            "cond_candidates": engine.cond_candidates}
     name = args.name or f"{__import__('jax').default_backend()}-smollm2-gate-headroom"
     lines = [f"# {name}", "", f"{meta['device']}, {meta['date']}, commit {meta['commit']}, drafter {meta['drafter']}, "
              f"{args.max_prompts} prompts per set, {args.max_new_tokens} new tokens, T={args.temperature:g}"

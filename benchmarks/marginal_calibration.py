@@ -18,8 +18,9 @@ is worth:
    monotone within a depth, so it changes only how depths trade against each other and the
    surrogate's scale;
 3. on AR answers of evaluation prompts (T = 0, lookup off, as `benchmarks.gate_headroom` builds its
-   tables): the tree's accepted length at each bucket with raw and with calibrated scores, and the
-   surrogate over what was accepted.
+   tables, from the drafter's head-free laws in both arms, since those are what is calibrated): the
+   tree's accepted length at each bucket with raw and with calibrated scores, and the surrogate over
+   what was accepted.
 
 Writes benchmarks/results/<name>.json and .md with device, date and commit.
 """
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                            "top1_hit": float(top_hit[:, 0].mean()), "topk_p": float(np.exp(top_lp).sum(1).mean()),
                            "topk_hit": float(top_hit.any(1).mean()), "a": cal[d, 0], "b": cal[d, 1]})
 
-    passes = {"raw": tree_pass(engine), "calibrated": tree_pass(engine, platt(cal))}
+    passes = {"raw": tree_pass(engine, head=False), "calibrated": tree_pass(engine, platt(cal), head=False)}
     report: dict[str, dict[str, dict[str, list[float]]]] = {}
     for name, texts in sets.items():
         ids = [encode_prompt(tokenizer, p) for p in texts]

@@ -27,11 +27,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from bastion_jax.cli import fail, stderr_log
 from benchmarks.perf_8b import (AR_FLOOR_MIN, VERIFY_MAX, build_parser, kv_bytes, run_errors, setup_models,
                                 step_weight_bytes)
 from benchmarks.report import commit
+
+if TYPE_CHECKING:
+    import jax
 
 
 def sample_tree(exe, depth: int, batch: int, cache_len: int, top_k: int, seed: int = 0):
@@ -56,7 +60,7 @@ class TargetSteps:
     on the engine's compiled executables with a fixed drafted tree (`sample_tree`): what `measure`
     times and `step_trace.take` traces, so both run exactly the same calls."""
 
-    def __init__(self, engine, cache_len: int, ar_step, verify: dict):
+    def __init__(self, engine, cache_len: int, ar_step: Callable, verify: dict[int, Callable]):
         import jax
         import numpy as np
 
@@ -70,19 +74,19 @@ class TargetSteps:
         self.token, self.active = jax.device_put(np.zeros(1, np.int32)), jax.device_put(np.ones(1, bool))
 
     @staticmethod
-    def lengths(context: int):
+    def lengths(context: int) -> jax.Array:
         """The committed length [1] of a step at `context`."""
         import jax
         import numpy as np
 
         return jax.device_put(np.full(1, context, np.int32))
 
-    def ar(self, length):
+    def ar(self, length: jax.Array) -> jax.Array:
         """One AR step (not waited on): its next token [1]."""
         self.cache, nxt = self.ar_step(self.params, self.cache, self.token, length, self.key, self.active)
         return nxt
 
-    def verify(self, bucket: int, length):
+    def verify(self, bucket: int, length: jax.Array) -> jax.Array:
         """One tree_verify(bucket) step (not waited on): the target's choices."""
         self.cache, choices = self.verify_fns[bucket](self.params, self.cache, self.tree, length)
         return choices

@@ -57,3 +57,30 @@ def test_identity_calibration_builds_the_decoding_trees(converted):
     # A steep calibration does change the scores (the transform is applied).
     steep = gh.tree_pass(engine, mc.platt(np.tile([3.0, 0.0], (5, 1))))(tokens, anchors)
     assert not np.allclose(np.asarray(raw.log_probs), np.asarray(steep.log_probs), atol=1e-3)
+
+
+def test_calibration_arms_draft_alike_with_a_head(converted):
+    """With a conditioned head, both arms draft from the head-free laws (the calibrated ones): the
+    identity calibration equals the raw arm, which differs from decoding's trees through the head; a
+    transform with the head is refused."""
+    import jax.numpy as jnp
+    from test_cond_head import with_head
+
+    from bastion_jax.checkpoints import random_drafter
+    from bastion_jax.engine import Engine
+    from bastion_jax.presets import tiny_drafter_config
+
+    target = converted("qwen3")[1]
+    drafter = with_head(random_drafter(tiny_drafter_config(target.config, block_size=6), seed=1), 8, seed=5,
+                        scale=3.0, recurrent=True)
+    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4, 8), top_k=4, lookup=None, cond_depths=3)
+    tokens = jnp.asarray(np.arange(3, 35, dtype=np.int32))[None]
+    anchors = jnp.arange(4, 20, dtype=jnp.int32)
+    identity = mc.platt(np.tile([1.0, 0.0], (5, 1)))
+    raw = gh.tree_pass(engine, head=False)(tokens, anchors)
+    same = gh.tree_pass(engine, identity, head=False)(tokens, anchors)
+    np.testing.assert_array_equal(np.asarray(raw.tokens), np.asarray(same.tokens))
+    headed = gh.tree_pass(engine)(tokens, anchors)
+    assert not np.array_equal(np.asarray(raw.tokens), np.asarray(headed.tokens))
+    with pytest.raises(ValueError, match="head=False"):
+        gh.tree_pass(engine, identity)
