@@ -148,20 +148,31 @@ def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, c
     if drafter is not None:
         hidden, drafter_cache = _drafter_call(*nnx.split(drafter), target.embed_tokens(block), features, ctx_start,
                                               ctx_len, drafter_cache, active)
-        logits = head_logits(target, hidden[:, 1:], draft_vocab)  # [b, B-1, vocab or N]
-        if drafter.cond_head is not None:  # each slot's law given the drafted token before it
-            table = draft_vocab.cond_table if draft_vocab is not None else cond_table
-            if table is None:
-                table = head_table(drafter.cond_head, partial(head_logits, target, draft_vocab=draft_vocab))
-            law = head_law(drafter.cond_head, hidden[:, 1:], logits, target.embed_tokens.weight[...], table,
-                           cond_candidates)
-            logits = spine_logits(law, root, draft_vocab.ids if draft_vocab is not None else None)
+        logits, law = block_laws(target, drafter.cond_head, hidden[:, 1:], root, draft_vocab, cond_table,
+                                 cond_candidates)
     else:
         logits = jnp.zeros((b, block_size - 1, target.config.vocab_size), jnp.float32)
     if proposal is not None:
         logits = proposal(root, ctx_len if ctx_start is None else ctx_start + ctx_len, logits)
         law = None
     return (logits, drafter_cache, law) if with_law else (logits, drafter_cache)
+
+
+def block_laws(target, cond_head, hidden: jax.Array, root: jax.Array, draft_vocab: Optional[DraftVocab] = None,
+               cond_table: jax.Array | None = None, cond_candidates: int = 0):
+    """A drafted block's logits from its slots' hidden states [b, D, h] (slots 1..D; `root` [b] the
+    token before them): the head-free logits [b, D, vocab or N] and None without a conditioned head,
+    else the spine's conditioned logits (each slot given the drafted token before it) and the head's
+    `HeadLaw`, from which a tree takes each parent's own law. What decoding drafts from
+    (`draft_logits`), and what `benchmarks.gate_headroom` replays. `cond_table`: as in `draft_logits`."""
+    logits = head_logits(target, hidden, draft_vocab)  # [b, D, vocab or N]
+    if cond_head is None:
+        return logits, None
+    table = draft_vocab.cond_table if draft_vocab is not None else cond_table
+    if table is None:
+        table = head_table(cond_head, partial(head_logits, target, draft_vocab=draft_vocab))
+    law = head_law(cond_head, hidden, logits, target.embed_tokens.weight[...], table, cond_candidates)
+    return spine_logits(law, root, draft_vocab.ids if draft_vocab is not None else None), law
 
 
 @partial(jax.jit, static_argnums=0)

@@ -167,8 +167,7 @@ def tree_pass(engine, transform=None, head: bool = True):
     (an experiment's calibration, with `head=False` only)."""
     import jax
 
-    from bastion_jax.modeling.cond_head import head_law, head_table, spine_logits
-    from bastion_jax.speculative import head_logits
+    from bastion_jax.speculative import block_laws, head_logits
     from bastion_jax.tree import build_tree
     from bastion_jax.tree_decoding import draft_trees
 
@@ -184,13 +183,11 @@ def tree_pass(engine, transform=None, head: bool = True):
     def trees(tokens, anchors):  # tokens [1, S], anchors [N]
         roots = tokens[0, anchors]  # [N]
         h = hidden(tokens, anchors)  # [N, B-1, h]
+        if with_head:  # each anchor is a row, as a batch of rows drafts
+            logits, law = block_laws(tm, dm.cond_head, h, roots, vocab, cond_candidates=engine.cond_candidates)
+            return draft_trees(tuple(engine.buckets), engine.top_k, depths, roots, logits, ids_map, None,
+                               law if depths else None)[0]
         base = head_logits(tm, h, vocab)  # [N, B-1, vocab or N]
-        if with_head:  # each anchor is a row, as a batch of rows drafts (`speculative.draft_logits`)
-            table = vocab.cond_table if vocab is not None and vocab.cond_table is not None else head_table(
-                dm.cond_head, lambda x: head_logits(tm, x, vocab))
-            law = head_law(dm.cond_head, h, base, tm.embed_tokens.weight[...], table, engine.cond_candidates)
-            return draft_trees(tuple(engine.buckets), engine.top_k, depths, roots, spine_logits(law, roots, ids_map),
-                               ids_map, None, law if depths else None)[0]
         lp = jax.nn.log_softmax(base, axis=-1)
         if transform is not None:
             lp = transform(lp)
