@@ -1,8 +1,8 @@
 """The naming rule: HF name minus a leading `model.` == our NNX state path joined by dots.
 
-One twist: the target's decoder layers are stacked (`layers.<name>` holds every layer's `<name>` on
-a leading axis, so the forward scans them), while checkpoints, HF's and ours alike, keep one tensor
-per layer (`layers.{i}.<name>`). `unstack_layers` / `stack_layers` convert between the two on
+One twist: with scanned layers (`scan_layers=True`; unrolled is the default) the decoder layers are
+stacked (`layers.<name>` holds every layer's `<name>` on a leading axis, so the forward scans them),
+while checkpoints, HF's and ours alike, keep one tensor per layer (`layers.{i}.<name>`). `unstack_layers` / `stack_layers` convert between the two on
 nested dicts; names are always checked and stored per layer.
 
 `build_params` checks every tensor the model needs against the abstract model (names and shapes)
