@@ -8,7 +8,8 @@
 #                   e.g. `bash benchmarks/gpu_session.sh probe`): it keeps that GGUF piece in /root/stash;
 #   call N:         carry .device/pN, run `bash training_data/smollm2-135m-instruct/gpu_drafter.sh BUDGET`.
 # The last piece also holds the gguf wheel (the device image lacks it), the training-split prompt
-# files, the evaluation prompts (bench/, for `gpu_session.sh e2e`) and the converted tokenizer files.
+# files, the evaluation prompts (bench/, for `gpu_session.sh e2e`: each set's first 16) and the converted
+# tokenizer files. Since the prompts were cut (2026-12-05) the tracked files can grow ~185 KB before a fourth piece.
 # The pieces are balanced, with 512 KiB kept free for the tracked files to grow between the calls of one
 # lease (commit results after it: with 1 MiB kept free the k24 set, 2026-12-05, made the GGUF need four
 # pieces instead of three); the script says how many there are.
@@ -21,9 +22,18 @@ target=$(python -c "from bastion_jax.default_model import default_target_dir; pr
 rm -rf .device/p[0-9]* .device/extras .device/gguf.xz*
 mkdir -p .device/extras/data .device/extras/tok .device/extras/whl
 cp ../shared/data/gsm8k_train.jsonl.gz ../shared/data/code_alpaca_2k.jsonl.gz .device/extras/data/
-# the evaluation prompts for `gpu_session.sh e2e`, apart from the training splits (never trained on)
+# the evaluation prompts for `gpu_session.sh e2e`, apart from the training splits (never trained on):
+# each set's first 16 records (e2e reads the first PROMPTS, in file order), ~20 KB instead of 565 KB
 mkdir -p .device/extras/bench
-for f in mt_bench_questions gsm8k_test math500_test humaneval mbpp; do cp "../shared/data/$f.jsonl.gz" .device/extras/bench/; done
+python - ../shared/data .device/extras/bench mt_bench_questions gsm8k_test math500_test humaneval mbpp <<'EOF'
+import gzip, sys
+src, dst, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+for name in names:
+    with gzip.open(f"{src}/{name}.jsonl.gz", "rt", encoding="utf-8") as f:
+        rows = [line for line in f if line.strip()][:16]
+    with gzip.open(f"{dst}/{name}.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(rows)
+EOF
 tar cJf .device/extras/tok/tok.tar.xz -C "$target" tokenizer.json tokenizer_config.json chat_template.jinja
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 -d .device/extras/whl gguf==0.19.0
