@@ -328,8 +328,8 @@ def test_failed_restore_silences_only_its_abandoned_reads(monkeypatch, _tiny):
 
     RaisesOnDelete("Event loop is closed")
     assert seen == ["Event loop is closed"]  # before a failed restore: untouched
-    _quiet_abandoned_reads()
-    _quiet_abandoned_reads()  # installed once, not wrapped twice
+    _quiet_abandoned_reads(Path("/nowhere/params"))
+    _quiet_abandoned_reads(Path("/nowhere/params"))  # installed once, not wrapped twice
     RaisesOnDelete("Event loop is closed")
     RaisesOnDelete("something else")
     assert seen == ["Event loop is closed", "something else"]

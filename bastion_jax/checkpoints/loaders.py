@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -149,64 +149,71 @@ def _restore(path: Path, hf: dict[str, Any], kind: str, cfg, dtype: jnp.dtype | 
     if not (path / "params").is_dir():
         raise CheckpointError(f"missing params/ directory in checkpoint {path}")
     params_dir = (path / "params").absolute()
-    # Installed before the restore: its abandoned reads may report before its failure reaches us.
-    before = _quiet_abandoned_reads()
-    unretrieved = _UnretrievedReads(params_dir)
-    logging.getLogger("asyncio").addFilter(unretrieved)
+    restored_whole = _quiet_abandoned_reads(params_dir)  # before the restore: its reads may outlive its failure
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore(params_dir, target_tree)
     except Exception as e:  # orbax raises many types for truncated/corrupt trees
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"corrupt or incompatible checkpoint {path / 'params'}: {msg}") from None
-    # Restored whole: no read was abandoned, the hook and the logger go back as they were.
-    logging.getLogger("asyncio").removeFilter(unretrieved)
-    if before is not None:
-        sys.unraisablehook = before
+    restored_whole()  # no read was abandoned: the hook and the logger go back as they were
     return _merge(cfg, dtype or stored, params)
 
 
 class _UnretrievedReads(logging.Filter):
-    """Drops asyncio's "Future exception was never retrieved" reports of a failed restore's reads.
+    """Drops asyncio's "... exception was never retrieved" reports that name one of `dirs`."""
 
-    The other way the abandoned reads of `_quiet_abandoned_reads` surface: a read that failed after
-    orbax gave up is a future nobody awaits, and when it is collected asyncio logs its exception with
-    a traceback (CI printed 39 such lines after the one-line error of a truncated checkpoint). Only
-    reports that name this checkpoint's params directory are dropped."""
-
-    def __init__(self, params_dir: Path):
+    def __init__(self):
         super().__init__()
-        self.params_dir = str(params_dir)
+        self.dirs: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
         if record.exc_info and record.exc_info[1] is not None:
             text += str(record.exc_info[1])
-        return not ("exception was never retrieved" in text and self.params_dir in text)
+        return not ("exception was never retrieved" in text and any(d in text for d in self.dirs))
 
 
-def _quiet_abandoned_reads():
-    """Drop the "Event loop is closed" errors of a failed restore's abandoned reads.
+_UNRETRIEVED = _UnretrievedReads()
+
+
+def _quiet_abandoned_reads(params_dir: Path) -> Callable[[], None]:
+    """Silence what a failed restore's abandoned reads print; returns what undoes it after a success.
 
     Orbax gives up at the first array it cannot read (a truncated file), closes its event loop and
-    returns; reads still in flight finish afterwards and their callbacks find the loop closed. Python
-    reports each as an unraisable exception: a truncated 135M checkpoint printed up to a dozen
-    tracebacks after the one-line error, some at interpreter exit. Installed before a restore (a
-    callback can fire before the failure reaches us) and left in place only when it fails; only that
-    exact error is dropped, every other unraisable exception still reaches the hook installed before.
-    Returns that hook, or None when ours was already in place."""
+    returns; reads still in flight finish afterwards and surface two ways. Their callbacks find the
+    loop closed, which Python reports as an unraisable "Event loop is closed" (a truncated 135M
+    checkpoint printed up to a dozen tracebacks after the one-line error, some at interpreter exit);
+    and a read that failed is a future nobody awaits, whose exception asyncio logs when it is
+    collected (CI printed 39 such lines). Installed before a restore (a callback can fire before the
+    failure reaches us) and left in place only when it fails. Only those reports are dropped: the
+    unraisable hook passes every other error to the hook installed before (it is installed once,
+    never wrapped twice), and one shared filter on the asyncio logger drops only reports that name a
+    failed checkpoint's params directory."""
     previous = sys.unraisablehook
-    if getattr(previous, "_bastion_quiet", False):
-        return None
+    if not getattr(previous, "_bastion_quiet", False):
 
-    def hook(unraisable) -> None:
-        exc = unraisable.exc_value
-        if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
-            previous(unraisable)
+        def hook(unraisable) -> None:
+            exc = unraisable.exc_value
+            if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+                previous(unraisable)
 
-    hook._bastion_quiet = True
-    sys.unraisablehook = hook
-    return previous
+        hook._bastion_quiet = True
+        sys.unraisablehook = hook
+    name = str(params_dir)
+    fresh = name not in _UNRETRIEVED.dirs
+    _UNRETRIEVED.dirs.add(name)
+    logging.getLogger("asyncio").addFilter(_UNRETRIEVED)  # a filter already there is not added again
+
+    def undo() -> None:
+        if sys.unraisablehook is not previous:
+            sys.unraisablehook = previous
+        if fresh:
+            _UNRETRIEVED.dirs.discard(name)
+        if not _UNRETRIEVED.dirs:
+            logging.getLogger("asyncio").removeFilter(_UNRETRIEVED)
+
+    return undo
 
 
 def default_scan_layers() -> bool:
