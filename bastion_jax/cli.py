@@ -136,7 +136,16 @@ def _auto_count(what: str):
     return parse
 
 
-_cond_depths_arg = _auto_count("depths (0, 2, 3, ...)")
+_depths_count = _auto_count("depths (0, 2, 3, ...)")
+
+
+def _cond_depths_arg(text: str) -> int | None:
+    """--cond-depths: auto, 0 (none) or N >= 2 (depths 2..N); 1 names no depth and is refused."""
+    n = _depths_count(text)
+    if n == 1:
+        raise argparse.ArgumentTypeError("must be auto, 0 (no depth) or N >= 2 (depths 2..N take each parent's "
+                                         "own law; depth 1 always takes the block's), got '1'")
+    return n
 _cond_candidates_arg = _auto_count("columns (0: all of them)")
 
 

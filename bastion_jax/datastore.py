@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 import os
+import zipfile
 from pathlib import Path
 
 import jax
@@ -190,7 +191,7 @@ def load_datastore(path: str | Path, vocab_size: int | None = None, cache: bool 
         with np.load(io.BytesIO(raw)) as z:
             stored, sep, first, cont = z["tokens"], int(z["sep"]), z["first"], z["cont"]
             file_vocab = int(z["vocab_size"])
-    except (OSError, KeyError, ValueError) as e:
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise DatastoreError(f"unreadable datastore {path}: {e}") from None
     if first.shape != (NUM_CLASSES,) or cont.shape != (NUM_CLASSES,):
         raise DatastoreError(f"datastore {path}: {first.shape[0]} chain classes, this version reads {NUM_CLASSES}")

@@ -18,6 +18,16 @@ def round_up(n: int, multiple: int) -> int:
     return int(math.ceil(n / multiple) * multiple)
 
 
+def _whole(fields: dict[str, Any], name: str, least: int | None = 1) -> int:
+    """fields[name] as a whole number (a JSON integer, not a float, string or boolean) of at least `least`
+    (None: any): a z-lab config that says 16.9 or true is refused, not cut to 16 or read as 1."""
+    value = fields[name]
+    if isinstance(value, bool) or not isinstance(value, int) or (least is not None and value < least):
+        need = "a whole number" + (f" >= {least}" if least is not None else "")
+        raise ConfigError(f"drafter config.json field {name} must be {need}, got {value!r}")
+    return value
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
     """DFlash's tap rule when a checkpoint names none: evenly spaced in [1, N-3] (Python round)."""
     if num_draft_layers == 1:
@@ -160,17 +170,20 @@ class DrafterConfig:
         if act not in DRAFTER_ACTIVATIONS:
             raise ConfigError(f"unsupported drafter hidden_act {act!r} (supported: {', '.join(DRAFTER_ACTIVATIONS)})")
         try:
-            heads = int(hf["num_attention_heads"])
-            hidden = int(hf["hidden_size"])
-            n_layers = int(hf["num_hidden_layers"])
+            heads = _whole(hf, "num_attention_heads")
+            hidden = _whole(hf, "hidden_size")
+            n_layers = _whole(hf, "num_hidden_layers")
             _check_full_attention(hf, n_layers)
-            n_target = _dflash_field(hf, "num_target_layers") or (target.num_hidden_layers if target else None)
+            n_target = _dflash_field(hf, "num_target_layers")
+            n_target = _whole({"num_target_layers": n_target}, "num_target_layers", 1) if n_target is not None else (
+                target.num_hidden_layers if target else None)
             if n_target is None:
                 raise KeyError("num_target_layers")
             taps = _dflash_field(hf, "target_layer_ids")
             if taps is not None and not (isinstance(taps, list) and taps):
                 raise ConfigError(f"drafter config.json field target_layer_ids must be a non-empty list, got {taps!r}")
-            taps = tuple(int(t) for t in taps) if taps else default_target_layer_ids(int(n_target), n_layers)
+            taps = (tuple(_whole({"target_layer_ids": t}, "target_layer_ids", None) for t in taps) if taps
+                    else default_target_layer_ids(n_target, n_layers))
             block = _dflash_field(hf, "block_size")
             if block is None:
                 raise KeyError("block_size")
@@ -178,22 +191,29 @@ class DrafterConfig:
             if mask is None:
                 raise KeyError("dflash_config.mask_token_id")
             kv_heads = hf.get("num_key_value_heads", 32)  # Qwen3Config: absent -> 32, null -> num_attention_heads
+            width = hf.get("target_hidden_size")
+            bias = hf.get("attention_bias", False)
+            if not isinstance(bias, bool):
+                raise ConfigError(f"drafter config.json field attention_bias must be true or false, got {bias!r}")
             cfg = cls(
                 hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
+                intermediate_size=_whole(hf, "intermediate_size"),
                 num_hidden_layers=n_layers,
                 num_attention_heads=heads,
-                num_key_value_heads=heads if kv_heads is None else int(kv_heads),
-                head_dim=int(hf.get("head_dim", 128)),  # Qwen3Config's default, not hidden // heads
-                vocab_size=int(hf["vocab_size"]),
-                block_size=int(block),
-                mask_token_id=int(mask),
+                num_key_value_heads=heads if kv_heads is None else _whole({"num_key_value_heads": kv_heads},
+                                                                          "num_key_value_heads", 0),
+                # absent: Qwen3Config's default, not hidden // heads
+                head_dim=_whole(hf, "head_dim") if "head_dim" in hf else 128,
+                vocab_size=_whole(hf, "vocab_size"),
+                block_size=_whole({"block_size": block}, "block_size", 0),
+                mask_token_id=_whole({"mask_token_id": mask}, "mask_token_id", 0),
                 target_layer_ids=taps,
-                num_target_layers=int(n_target),
-                target_hidden_size=int(hf.get("target_hidden_size") or (target.hidden_size if target else hidden)),
+                num_target_layers=n_target,
+                target_hidden_size=(_whole(hf, "target_hidden_size") if width is not None
+                                    else (target.hidden_size if target else hidden)),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 rope=RopeConfig.from_hf(hf),
-                attention_bias=bool(hf.get("attention_bias", False)),
+                attention_bias=bias,
                 hidden_act=act,
             )
         except KeyError as e:

@@ -114,6 +114,10 @@ class Engine:
             stop_ids = _stop_ids(tokenizer, target.config.eos_token_ids)
         self.stop_ids = frozenset(int(s) for s in stop_ids)
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
+        limit = target.config.max_position_embeddings
+        if self.buckets and self.buckets[-1] > limit:  # its tree's slots alone would outgrow any cache
+            raise GenerationError(f"bucket {self.buckets[-1]} exceeds the model's context of {limit} positions "
+                                  "(--buckets lists tree sizes: a few nodes to a few hundred)")
         if top_k < 1:  # 0 would build trees of the lookup chain alone, a negative one fail inside top_k
             raise GenerationError(f"tree top-k must be >= 1 (drafter candidates per block position), got {top_k}")
         self.top_k = top_k

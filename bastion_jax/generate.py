@@ -158,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: give a non-empty prompt, e.g. python -m bastion_jax.generate "
               '"What is the capital of France?"', file=sys.stderr)
         return 2
+    if args.no_chat and args.system is not None:  # a raw prompt has no system turn to put it in
+        print("error: --system goes into the chat template, which --no-chat leaves out: drop one of them",
+              file=sys.stderr)
+        return 2
 
     log = stderr_log(args.quiet)
     use_compilation_cache()
@@ -185,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         buckets = parse_buckets(args.buckets) if args.buckets else DEFAULT_BUCKETS
         if policy.kind == "fixed" and not args.buckets:
             buckets = tuple(sorted(set(buckets) | {policy.size}))
+        if str(args.draft_vocab) not in ("auto", "full", "0") and (drafter is None or policy.kind == "ar"):
+            raise ValueError(f"--draft-vocab {args.draft_vocab} restricts a drafter's LM head in the tree modes; "
+                             f"--mode {mode} drafts nothing")
         draft_vocab = resolve_draft_vocab(target, drafter, args.draft_vocab)
         if draft_vocab is not None and policy.kind == "dflash":
             log("draft vocabulary: the full vocabulary (--mode dflash drafts over every token; --draft-vocab "

@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, check_cond_head, fail, resolve_cond_head,
-                             resolve_lookup, stderr_log)
+from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, check_cond_head, fail, positive_int,
+                             resolve_cond_head, resolve_lookup, stderr_log)
 from bastion_jax.controller import DEFAULT_BUCKETS, PolicyError, parse_buckets
 from bastion_jax.profile_report import device_meta, markdown, write_outputs
 from bastion_jax.profiler import run_profile
@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
     p.add_argument("--peaks", default="measure", choices=["measure", "datasheet"],
                    help="roofline peaks: measured copy bandwidth + matmul rate (default), or the datasheet table")
-    p.add_argument("--copy-mib", type=int, help="size of the bandwidth probe (default 1024 on GPU, 64 on CPU)")
-    p.add_argument("--matmul-n", type=int, help="matmul probe size n (default 8192 on GPU, 1024 on CPU)")
+    p.add_argument("--copy-mib", type=positive_int, help="size of the bandwidth probe (default 1024 on GPU, 64 on CPU)")
+    p.add_argument("--matmul-n", type=positive_int, help="matmul probe size n (default 8192 on GPU, 1024 on CPU)")
     p.add_argument("--out-dir", default="profiles", help="where to write the files (default ./profiles)")
     p.add_argument("--name", help="file name stem (default: <arch or target>-<device>-<dtype>)")
     p.add_argument("--install", action="store_true", help="also save the calibration where `generate` looks "
@@ -148,6 +148,12 @@ def setup(args, log=lambda msg: None) -> Setup:
         raise ProfileError("--drafter goes with --target; --arch builds its own drafter")
     if args.target and (args.layers is not None or args.drafter_layers is not None):
         raise ProfileError("--layers/--drafter-layers only apply to --arch")
+    if args.arch:  # its random drafter has no token ranking and no datastore: a value here would be ignored
+        given = [f"--{f.replace('_', '-')} {getattr(args, f)}" for f in ("draft_vocab", "datastore")
+                 if str(getattr(args, f, "auto")) not in ("auto", "off", "full", "0")]
+        if given:
+            raise ProfileError(f"{', '.join(given)} go with --target's drafter; --arch builds a random drafter "
+                               "without a token ranking or a datastore")
     if args.reps < 1 or args.warmup < 0:
         raise ProfileError(f"--reps must be >= 1 and --warmup >= 0 (got {args.reps}, {args.warmup})")
     if args.tree_top_k < 1:

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{', '.join(DEFAULT_SOURCES)} from ../shared/data beside the checkout)")
     d.add_argument("--stdlib", type=int, default=300, help="also use up to N prompts built from Python "
                    "standard-library sources and docs (default 300)")
-    d.add_argument("--num", type=int, default=2000, help="total prompts (default 2000)")
+    d.add_argument("--num", type=positive_int, default=2000, help="total prompts (default 2000)")
     d.add_argument("--max-new-tokens", type=int, default=256)
     d.add_argument("--max-prompt-tokens", type=int, default=256, help="keep at most the last N prompt tokens")
     d.add_argument("--batch-size", type=int, default=32)
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "or unpack a .npz back to JSONL (to resume `data` on it)")
     k.add_argument("--data", nargs="+", required=True, help="JSONL / .npz files written by data or pack")
     k.add_argument("--out", required=True, help=".npz file to write (or .jsonl: unpack)")
-    k.add_argument("--vocab-size", type=int, default=None, help="target vocabulary (default: the largest token id + 1)")
+    k.add_argument("--vocab-size", type=positive_int, default=None, help="target vocabulary (default: the largest token id + 1)")
     k.add_argument("--quiet", action="store_true")
 
     s = sub.add_parser("datastore", help="build a datastore of target-written text (datastore.npz beside a "
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "on held-out greedy rows")
     s.add_argument("--data", nargs="+", required=True, help="JSONL / .npz files written by data or pack")
     s.add_argument("--out", required=True, help=".npz file to write (e.g. DRAFTER_DIR/datastore.npz)")
-    s.add_argument("--vocab-size", type=int, default=None, help="target vocabulary (default: the packed files')")
+    s.add_argument("--vocab-size", type=positive_int, default=None, help="target vocabulary (default: the packed files')")
     s.add_argument("--held-out", type=int, default=400, help="greedy rows whose prompts measure the hit rates")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true")
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, default=8)
     t.add_argument("--seq-len", type=int, default=512)
     t.add_argument("--anchors", type=int, default=64, help="blocks per sequence (default 64)")
-    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--lr", type=_positive_number, default=6e-4)
     t.add_argument("--warmup-ratio", type=float, default=0.04)
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--max-grad-norm", type=float, default=1.0)
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _finite(unit: str, zero_ok: bool):
     """An argparse type for a finite number of `unit` above 0 (or at least 0 with `zero_ok`): --max-seconds,
-    --save-minutes; anything else is refused while parsing."""
+    --save-minutes, --lr; anything else is refused while parsing."""
     import math
 
     def parse(text: str) -> float:
@@ -176,13 +176,15 @@ def _finite(unit: str, zero_ok: bool):
         except ValueError:
             value = math.nan
         if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
-            raise argparse.ArgumentTypeError(f"must be a number of {unit} {'>=' if zero_ok else '>'} 0, got {text!r}")
+            what = f"a number of {unit}" if unit else "a number"
+            raise argparse.ArgumentTypeError(f"must be {what} {'>=' if zero_ok else '>'} 0, got {text!r}")
         return value
 
     return parse
 
 
 _positive_seconds = _finite("seconds", zero_ok=False)
+_positive_number = _finite("", zero_ok=False)  # --lr
 _minutes = _finite("minutes", zero_ok=True)
 
 
@@ -198,7 +200,7 @@ def drafter_config(target_cfg, args):
 def run_data(args, target, log) -> None:
     from bastion_jax.engine import Engine
     from bastion_jax.text import load_tokenizer
-    from bastion_jax.training.data import file_prompts, generate_responses, magpie_prompts, mix_prompts
+    from bastion_jax.training.data import DataError, file_prompts, generate_responses, magpie_prompts, mix_prompts
     from bastion_jax.training.prompt_sources import (OPENER_SETS, docstring_prompts, method_prompts,
                                                          passage_prompts, stdlib_prompts)
 
@@ -213,6 +215,10 @@ def run_data(args, target, log) -> None:
         sources.append(("methods", method_prompts(args.methods, args.seed)))
     if args.passages:
         sources.append(("passages", passage_prompts(args.passages, args.seed)))
+    try:  # (before hours of generation, not after)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot write --out {args.out}: {e}") from None
     tokenizer = load_tokenizer(target)
     engine = Engine(target, tokenizer)
     if args.magpie:

@@ -283,6 +283,7 @@ def test_generate_empty_prompt(capsys, monkeypatch, tmp_path, argv, stdin):
     (["--max-new-tokens", "abc"], ("--max-new-tokens", "'abc'")),
     (["--dtype", "float16"], ("--dtype", "'float16'")),
     (["--bogus"], ("unrecognized arguments", "--bogus")),
+    (["--cond-depths", "1"], ("--cond-depths", "'1'", "N >= 2")),
 ])
 def test_generate_refused_flag_is_one_error_line(capsys, argv, fragments):
     """A value argparse refuses is one line too (its own error printed the whole usage block first)."""
@@ -427,3 +428,98 @@ def test_generate_malformed_checkpoint_is_one_error_line(capsys, _tiny, tmp_path
     rc, out, err = _generate(capsys, "--target", str(ckpt), "--no-chat", "--quiet", "w1 w2")
     assert rc == 2 and out == ""
     _one_error_line(err, "ckpt", *fragments)
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["--system", "Answer in French."], ("--system", "--no-chat")),
+    (["--drafter", "none", "--draft-vocab", "100"], ("--draft-vocab 100", "--mode ar")),
+    (["--buckets", "1,4,100000"], ("bucket 100000", "context of")),
+])
+def test_generate_contradictory_flags_are_refused(capsys, _tiny, argv, fragments):
+    """Flags that would be silently dropped (a system turn a raw prompt has no place for, a draft
+    vocabulary with nothing drafting) or a bucket no cache could hold are one error line, not a run."""
+    capsys.readouterr()
+    assert generate.main(["--target", str(_tiny["ours"]), "--no-chat", "--quiet", "--max-new-tokens", "2",
+                          "--no-calibrate", *argv, "w1 w2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    _one_error_line(err, *fragments)
+
+
+def _truncated_npz(tmp_path):
+    from bastion_jax.training.data import pack_records
+
+    path = pack_records([{"prompt_ids": [1, 2], "response_ids": [3, 4, 5]}] * 4, tmp_path / "ok.npz", 64)
+    bad = tmp_path / "truncated.npz"
+    bad.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return bad
+
+
+@pytest.mark.parametrize("command", [["pack", "--out", "x.jsonl"], ["datastore", "--out", "x.npz"]])
+def test_trainer_truncated_packed_file_is_one_error_line(capsys, tmp_path, command):
+    from bastion_jax.train_drafter import main as train_main
+
+    bad = _truncated_npz(tmp_path)
+    capsys.readouterr()
+    assert train_main([command[0], "--data", str(bad), *command[1:]]) == 2
+    _one_error_line(capsys.readouterr().err, str(bad), "not a packed token file")
+
+
+def test_truncated_datastore_is_one_error(tmp_path):
+    from bastion_jax.datastore import DatastoreError, load_datastore
+
+    bad = _truncated_npz(tmp_path)
+    with pytest.raises(DatastoreError, match="unreadable datastore"):
+        load_datastore(bad)
+
+
+def test_pack_refuses_records_without_token_lists_and_ids_beyond_its_vocabulary(capsys, tmp_path):
+    from bastion_jax.train_drafter import main as train_main
+
+    wrong = tmp_path / "prompts.jsonl"
+    wrong.write_text('{"prompt": "a prompt file, not training data"}\n')
+    capsys.readouterr()
+    assert train_main(["pack", "--data", str(wrong), "--out", str(tmp_path / "x.npz")]) == 2
+    _one_error_line(capsys.readouterr().err, "record 1", "prompt_ids")
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt_ids": [1, 2], "response_ids": [300]}\n')
+    assert train_main(["pack", "--data", str(data), "--out", str(tmp_path / "y.npz"), "--vocab-size", "100"]) == 2
+    _one_error_line(capsys.readouterr().err, "[1, 300]", "vocabulary of 100")
+    assert not (tmp_path / "y.npz").exists()
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["train", "--data", "x.npz", "--out", "o", "--lr=-1"], ("--lr", "'-1'", "> 0")),
+    (["data", "--num", "0", "--out", "x.jsonl"], ("--num", "'0'")),
+])
+def test_trainer_refused_values_are_one_error_line(capsys, argv, fragments):
+    from bastion_jax.train_drafter import main as train_main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train_main(argv)
+    assert e.value.code == 2
+    _one_error_line(capsys.readouterr().err, *fragments)
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["--matmul-n=-3"], ("--matmul-n", "'-3'")),
+    (["--copy-mib", "0"], ("--copy-mib", "'0'")),
+])
+def test_profile_refused_probe_sizes_are_one_error_line(capsys, argv, fragments):
+    from bastion_jax.profile import main as profile_main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        profile_main(["--arch", "smollm2-135m", "--layers", "1", *argv])
+    assert e.value.code == 2
+    _one_error_line(capsys.readouterr().err, *fragments)
+
+
+def test_profile_refuses_drafter_files_with_random_models(capsys, tmp_path):
+    from bastion_jax.profile import main as profile_main
+
+    capsys.readouterr()
+    assert profile_main(["--arch", "smollm2-135m", "--layers", "1", "--datastore", str(tmp_path / "d.npz"),
+                         "--out-dir", str(tmp_path)]) == 2
+    _one_error_line(capsys.readouterr().err, "--datastore", "--arch builds a random drafter")

@@ -94,6 +94,14 @@ def test_drafter_activations_cover_exactly_the_implemented_ones():
     (dict(dflash_config=dict(mask_token_id=127, output_multiplier=2.0)), "dflash_config.output_multiplier"),
     (dict(dflash_config=dict(mask_token_id=127, target_layer_ids=[])), "target_layer_ids"),
     (dict(num_key_value_heads=3), "num_key_value_heads=3"),
+    # a value z-lab's PyTorch model would choke on is refused, never cut or coerced
+    (dict(block_size=16.9), "block_size must be a whole number >= 0, got 16.9"),
+    (dict(dflash_config=dict(mask_token_id=True)), "mask_token_id must be a whole number >= 0, got True"),
+    (dict(dflash_config=dict(mask_token_id=127, target_layer_ids=[1.7, 2, 3])), "target_layer_ids .* got 1.7"),
+    (dict(num_target_layers=0), "num_target_layers .* >= 1, got 0"),
+    (dict(target_hidden_size=0), "target_hidden_size .* >= 1, got 0"),
+    (dict(hidden_size="64"), "hidden_size .* got '64'"),
+    (dict(attention_bias="false"), "attention_bias must be true or false, got 'false'"),
 ])
 def test_drafter_fields_we_cannot_honour_are_refused_by_name(fields, needle):
     with pytest.raises(ConfigError, match=needle) as e:

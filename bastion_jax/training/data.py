@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import zipfile
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -206,6 +207,7 @@ def pack_records(records: Sequence[dict], out: str | Path, vocab_size: int) -> P
     dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
     sources = sorted({str(r.get("source", "")) for r in records})
     seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in records]
+    check_vocab(seqs, vocab_size)
     offsets = np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -217,13 +219,23 @@ def pack_records(records: Sequence[dict], out: str | Path, vocab_size: int) -> P
     return out
 
 
+def check_vocab(seqs: Sequence[Sequence[int]], vocab_size: int) -> None:
+    """Refuse token ids outside [0, vocab_size): a file that names a smaller vocabulary than its ids
+    would be read back as another target's data."""
+    top = max((max(s) for s in seqs if len(s)), default=-1)
+    low = min((min(s) for s in seqs if len(s)), default=0)
+    if top >= vocab_size or low < 0:
+        raise DataError(f"token ids span [{low}, {top}], outside a vocabulary of {vocab_size}: "
+                        f"--vocab-size must be above the largest id")
+
+
 def read_packed(path: str | Path) -> list[dict]:
     """The records `pack_records` stored."""
     try:
         z = np.load(path)
         tokens, offsets, plens = z["tokens"], z["offsets"], z["prompt_lens"]
         sources, sids, temps = z["sources"], z["source_ids"], z["temperatures"]
-    except (OSError, KeyError, ValueError) as e:
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise DataError(f"{path} is not a packed token file: {e}") from None
     out = []
     for i in range(len(plens)):
@@ -235,7 +247,15 @@ def read_packed(path: str | Path) -> list[dict]:
 
 def read_records(path: str | Path) -> list[dict]:
     """Training records from a JSONL(.gz) file of the data command or a packed `.npz`."""
-    return read_packed(path) if str(path).endswith(".npz") else read_jsonl(path)
+    if str(path).endswith(".npz"):
+        return read_packed(path)
+    rows = read_jsonl(path)
+    for i, r in enumerate(rows, 1):  # (a prompt file or another JSONL would fail deep in the trainer)
+        if not (isinstance(r, dict) and all(isinstance(r.get(k), list) for k in ("prompt_ids", "response_ids"))):
+            got = sorted(r) if isinstance(r, dict) else type(r).__name__
+            raise DataError(f"{path}: record {i} has no prompt_ids / response_ids token lists (got {got}): "
+                            "training data is what `train_drafter data` writes")
+    return rows
 
 
 def batch_indices(n: int, batch_size: int, seed: int, start_step: int = 0) -> Iterator[np.ndarray]:

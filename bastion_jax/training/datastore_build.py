@@ -22,6 +22,7 @@ import numpy as np
 
 from bastion_jax.datastore import (NUM_CLASSES, Datastore, build_order, corpus, save_datastore, store_chain)
 from bastion_jax.lookup import chain_outcome
+from bastion_jax.training.data import check_vocab
 
 DEPTH = 15  # chain length measured (a 16-slot block's drafts)
 
@@ -102,6 +103,7 @@ def build_datastore(records: Sequence[dict], out: str | Path, vocab_size: int, *
     if repeats:
         log(f"{repeats} records repeat another exactly and are stored once")
     seqs = [(list(r["prompt_ids"]) + list(r["response_ids"]), len(r["prompt_ids"])) for r in records]
+    check_vocab([s for s, _ in seqs], vocab_size)
     greedy = [i for i, r in enumerate(records) if _greedy(r) and r["response_ids"]]
     if not greedy:
         raise ValueError("the datastore's hit rates are measured on greedy rows (temperature 0): the data has none")
