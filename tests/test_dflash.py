@@ -252,3 +252,14 @@ def test_sampling_through_verification_matches_target_distribution(vocab6_target
     res = engine.generate([prompt] * 6000, max_new_tokens=2, mode="dflash", sampling=SamplingConfig(1.0), seed=11)
     assert res.stats.tau > 1.2  # drafts were really accepted
     assert pair_chi_square(res.tokens, joint) < 80.0  # ~35 dof: p < 1e-4 for a correct sampler
+
+
+def test_convert_keeps_the_files_a_drafter_reads_beside_it(tmp_path):
+    """The shipped drafter's token ranking and datastore travel with a conversion: without them the
+    converted drafter would draft over the whole vocabulary with no datastore (slower, silently)."""
+    from bastion_jax.default_model import default_drafter_dir
+
+    src = default_drafter_dir()
+    conv = convert(src, tmp_path / "conv", dtype="float32")
+    for name in ("vocab_ranking.npy", "datastore.npz"):
+        assert (conv / name).read_bytes() == (src / name).read_bytes(), name

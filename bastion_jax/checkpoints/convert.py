@@ -38,6 +38,20 @@ def load_params(source: Source, dtype: jnp.dtype | None) -> tuple[TargetConfig, 
     return cfg, build_params(source, abstract_target_state(cfg, dtype), dtype)
 
 
+def _copy_companions(src: Path, out: Path) -> None:
+    """The files a drafter reads from its own directory besides its weights (the token ranking of
+    `--draft-vocab auto`, the datastore of `--datastore auto`): left behind, the converted drafter
+    would draft over the whole vocabulary without a datastore, slower with no word said."""
+    import shutil
+
+    from bastion_jax.datastore import FILE as DATASTORE_FILE
+    from bastion_jax.speculative import RANKING_FILE
+
+    for name in (RANKING_FILE, DATASTORE_FILE):
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+
+
 def convert(src: str | Path, out: str | Path, dtype: str | None = "bfloat16") -> Path:
     """Convert `src` (HF target dir, z-lab DFlash drafter dir, or .gguf) into a bastion_jax checkpoint dir,
     stored in `dtype` (None: the source's own dtype; quantised GGUF tensors are dequantised to float32)."""
@@ -58,6 +72,7 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = "bfloat16") ->
             dparams = {**dparams, "cond_head": read_head(src, dcfg.hidden_size, dparams)[1]}
         out.mkdir(parents=True, exist_ok=True)
         save_drafter(out, dcfg, dparams, source=str(source.path))
+        _copy_companions(Path(src), out)
         return out
     cfg, params = load_params(source, parse_dtype(dtype))
     out.mkdir(parents=True, exist_ok=True)
