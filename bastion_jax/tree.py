@@ -69,6 +69,10 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     """
     depth, vocab = log_probs.shape
     m = num_nodes - 1  # non-root nodes
+    if m == 0:  # a one-node tree (buckets (1,)): the root alone, verified as an AR step would be
+        parents = jnp.full((1,), -1, jnp.int32)
+        return Tree(root[None].astype(jnp.int32), parents, jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.float32),
+                    ancestor_mask(parents, depth))
     k = min(top_k, vocab, max(m, 1))
     # The barrier keeps XLA:CPU from rewriting top-k + the gathers below into a full sort of the
     # vocabulary (195 ms -> 3 ms per tree at SmolLM2's 49k vocab); GPU is unaffected.

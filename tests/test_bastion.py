@@ -51,6 +51,19 @@ def test_t0_identical_to_ar_for_every_policy_with_random_drafter(converted, arch
     assert engine.generate(prompts, max_new_tokens=24, mode=mode).tokens == ar
 
 
+@pytest.mark.parametrize("mode", ["fixed:1", "bastion"])
+def test_t0_identical_to_ar_with_the_root_as_the_only_bucket(converted, mode):
+    """buckets=(1,) leaves trees of the root alone (no node to draft): the tree steps verify it as AR
+    does (building such a tree used to crash on an empty candidate list)."""
+    _, target = converted("qwen3")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK), seed=2)
+    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1,), top_k=4)
+    prompts = [PROMPT, [7, 3, 20]]
+    ar = engine.generate(prompts, max_new_tokens=12, mode="ar").tokens
+    result = engine.generate(prompts, max_new_tokens=12, mode=mode)
+    assert result.tokens == ar and result.stats.tau == 1.0
+
+
 @pytest.mark.parametrize("kind,mode,expect_tau", [
     ("oracle", "fixed:16", BLOCK), ("oracle", "fixed:1", 1.0),
     ("branch", "fixed:32", BLOCK), ("branch", "bastion", None),
