@@ -146,6 +146,8 @@ def _cond_depths_arg(text: str) -> int | None:
         raise argparse.ArgumentTypeError("must be auto, 0 (no depth) or N >= 2 (depths 2..N take each parent's "
                                          "own law; depth 1 always takes the block's), got '1'")
     return n
+
+
 _cond_candidates_arg = _auto_count("columns (0: all of them)")
 
 

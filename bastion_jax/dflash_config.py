@@ -18,10 +18,9 @@ def round_up(n: int, multiple: int) -> int:
     return int(math.ceil(n / multiple) * multiple)
 
 
-def _whole(fields: dict[str, Any], name: str, least: int | None = 1) -> int:
-    """fields[name] as a whole number (a JSON integer, not a float, string or boolean) of at least `least`
-    (None: any): a z-lab config that says 16.9 or true is refused, not cut to 16 or read as 1."""
-    value = fields[name]
+def _whole(name: str, value: Any, least: int | None = 1) -> int:
+    """Field `name`'s value as a whole number (a JSON integer, not a float, string or boolean) of at least
+    `least` (None: any): a z-lab config that says 16.9 or true is refused, not cut to 16 or read as 1."""
     if isinstance(value, bool) or not isinstance(value, int) or (least is not None and value < least):
         need = "a whole number" + (f" >= {least}" if least is not None else "")
         raise ConfigError(f"drafter config.json field {name} must be {need}, got {value!r}")
@@ -170,19 +169,21 @@ class DrafterConfig:
         if act not in DRAFTER_ACTIVATIONS:
             raise ConfigError(f"unsupported drafter hidden_act {act!r} (supported: {', '.join(DRAFTER_ACTIVATIONS)})")
         try:
-            heads = _whole(hf, "num_attention_heads")
-            hidden = _whole(hf, "hidden_size")
-            n_layers = _whole(hf, "num_hidden_layers")
+            heads = _whole("num_attention_heads", hf["num_attention_heads"])
+            hidden = _whole("hidden_size", hf["hidden_size"])
+            n_layers = _whole("num_hidden_layers", hf["num_hidden_layers"])
             _check_full_attention(hf, n_layers)
             n_target = _dflash_field(hf, "num_target_layers")
-            n_target = _whole({"num_target_layers": n_target}, "num_target_layers", 1) if n_target is not None else (
-                target.num_hidden_layers if target else None)
+            if n_target is not None:
+                n_target = _whole("num_target_layers", n_target)
+            elif target is not None:
+                n_target = target.num_hidden_layers
             if n_target is None:
                 raise KeyError("num_target_layers")
             taps = _dflash_field(hf, "target_layer_ids")
             if taps is not None and not (isinstance(taps, list) and taps):
                 raise ConfigError(f"drafter config.json field target_layer_ids must be a non-empty list, got {taps!r}")
-            taps = (tuple(_whole({"target_layer_ids": t}, "target_layer_ids", None) for t in taps) if taps
+            taps = (tuple(_whole("target_layer_ids", t, None) for t in taps) if taps
                     else default_target_layer_ids(n_target, n_layers))
             block = _dflash_field(hf, "block_size")
             if block is None:
@@ -197,19 +198,18 @@ class DrafterConfig:
                 raise ConfigError(f"drafter config.json field attention_bias must be true or false, got {bias!r}")
             cfg = cls(
                 hidden_size=hidden,
-                intermediate_size=_whole(hf, "intermediate_size"),
+                intermediate_size=_whole("intermediate_size", hf["intermediate_size"]),
                 num_hidden_layers=n_layers,
                 num_attention_heads=heads,
-                num_key_value_heads=heads if kv_heads is None else _whole({"num_key_value_heads": kv_heads},
-                                                                          "num_key_value_heads", 0),
+                num_key_value_heads=heads if kv_heads is None else _whole("num_key_value_heads", kv_heads, 0),
                 # absent: Qwen3Config's default, not hidden // heads
-                head_dim=_whole(hf, "head_dim") if "head_dim" in hf else 128,
-                vocab_size=_whole(hf, "vocab_size"),
-                block_size=_whole({"block_size": block}, "block_size", 0),
-                mask_token_id=_whole({"mask_token_id": mask}, "mask_token_id", 0),
+                head_dim=_whole("head_dim", hf["head_dim"]) if "head_dim" in hf else 128,
+                vocab_size=_whole("vocab_size", hf["vocab_size"]),
+                block_size=_whole("block_size", block, 0),
+                mask_token_id=_whole("mask_token_id", mask, 0),
                 target_layer_ids=taps,
                 num_target_layers=n_target,
-                target_hidden_size=(_whole(hf, "target_hidden_size") if width is not None
+                target_hidden_size=(_whole("target_hidden_size", width) if width is not None
                                     else (target.hidden_size if target else hidden)),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 rope=RopeConfig.from_hf(hf),

@@ -32,7 +32,7 @@ from bastion_jax.lookup import LookupConfig
 from bastion_jax.modeling.attention import PREFILL_TILE
 from bastion_jax.modeling.cond_head import default_cond_candidates, default_cond_depths
 from bastion_jax.sampling import KeyStream, SamplingConfig
-from bastion_jax.speculative import DraftVocab, resolve_draft_vocab
+from bastion_jax.speculative import DraftVocab, asks_for_draft_vocab, resolve_draft_vocab
 from bastion_jax.stats import Result, Rows, Stats
 from bastion_jax.loops import ArLoop, ChainLoop
 from bastion_jax.tree_loop import TreeLoop
@@ -124,7 +124,7 @@ class Engine:
         if isinstance(draft_vocab, (str, numbers.Integral)):  # a spec as the CLI's --draft-vocab takes it
             if drafter is not None and proposal is None:
                 draft_vocab = resolve_draft_vocab(target, drafter, draft_vocab)
-            elif str(draft_vocab) in ("auto", "full", "0"):  # nothing to restrict, and nothing was asked
+            elif not asks_for_draft_vocab(draft_vocab):  # nothing to restrict, and nothing was asked
                 draft_vocab = None
         if draft_vocab is not None and (drafter is None or proposal is not None):
             raise GenerationError("a draft vocabulary restricts a drafter's LM head: it needs a drafter and no proposal")

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     from bastion_jax.default_model import DefaultModelError
     from bastion_jax.engine import Engine, GenerationError, prefill_bucket
     from bastion_jax.sampling import SamplingConfig
-    from bastion_jax.speculative import resolve_draft_vocab
+    from bastion_jax.speculative import asks_for_draft_vocab, resolve_draft_vocab
     from bastion_jax.text import IncrementalDetokenizer, encode_prompt, load_tokenizer
 
     try:
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         buckets = parse_buckets(args.buckets) if args.buckets else DEFAULT_BUCKETS
         if policy.kind == "fixed" and not args.buckets:
             buckets = tuple(sorted(set(buckets) | {policy.size}))
-        if str(args.draft_vocab) not in ("auto", "full", "0") and (drafter is None or policy.kind == "ar"):
+        if asks_for_draft_vocab(args.draft_vocab) and (drafter is None or policy.kind == "ar"):
             raise ValueError(f"--draft-vocab {args.draft_vocab} restricts a drafter's LM head in the tree modes; "
                              f"--mode {mode} drafts nothing")
         draft_vocab = resolve_draft_vocab(target, drafter, args.draft_vocab)

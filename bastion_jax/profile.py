@@ -138,7 +138,7 @@ def setup(args, log=lambda msg: None) -> Setup:
 
     from bastion_jax.calibration import calibration_model, with_lookup
     from bastion_jax.cli import resolve_dtype
-    from bastion_jax.speculative import resolve_draft_vocab
+    from bastion_jax.speculative import asks_for_draft_vocab, resolve_draft_vocab
     from bastion_jax.latency import DevicePeaks
 
     lookup = resolve_lookup(getattr(args, "lookup", "on"))  # perf_8b's own flags have no --lookup: on
@@ -149,8 +149,11 @@ def setup(args, log=lambda msg: None) -> Setup:
     if args.target and (args.layers is not None or args.drafter_layers is not None):
         raise ProfileError("--layers/--drafter-layers only apply to --arch")
     if args.arch:  # its random drafter has no token ranking and no datastore: a value here would be ignored
-        given = [f"--{f.replace('_', '-')} {getattr(args, f)}" for f in ("draft_vocab", "datastore")
-                 if str(getattr(args, f, "auto")) not in ("auto", "off", "full", "0")]
+        given = []
+        if asks_for_draft_vocab(getattr(args, "draft_vocab", "auto")):
+            given.append(f"--draft-vocab {args.draft_vocab}")
+        if getattr(args, "datastore", "auto") not in ("auto", "off"):
+            given.append(f"--datastore {args.datastore}")
         if given:
             raise ProfileError(f"{', '.join(given)} go with --target's drafter; --arch builds a random drafter "
                                "without a token ranking or a datastore")

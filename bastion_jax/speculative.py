@@ -44,6 +44,12 @@ RANKING_FILE = "vocab_ranking.npy"  # beside a drafter's config.json: int32 ids,
 DEFAULT_DRAFT_VOCAB = 8192
 
 
+def asks_for_draft_vocab(spec: str | int | None) -> bool:
+    """Whether a --draft-vocab spec names a restriction (a token count), not the default or no restriction:
+    what a run without a drafter to restrict must refuse rather than ignore."""
+    return str(spec) not in ("None", "auto", "full", "0")
+
+
 def resolve_draft_vocab(target, drafter, spec: str | int | None) -> "DraftVocab | None":
     """The draft vocabulary a user asked for: "auto" (the drafter's ranking, top 8192, when it ships
     one), "full"/0/None (the whole vocabulary) or N (top N of the ranking, which must exist)."""

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "or unpack a .npz back to JSONL (to resume `data` on it)")
     k.add_argument("--data", nargs="+", required=True, help="JSONL / .npz files written by data or pack")
     k.add_argument("--out", required=True, help=".npz file to write (or .jsonl: unpack)")
-    k.add_argument("--vocab-size", type=positive_int, default=None, help="target vocabulary (default: the largest token id + 1)")
+    k.add_argument("--vocab-size", type=positive_int, default=None,
+                   help="target vocabulary (default: the largest token id + 1)")
     k.add_argument("--quiet", action="store_true")
 
     s = sub.add_parser("datastore", help="build a datastore of target-written text (datastore.npz beside a "
@@ -76,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "on held-out greedy rows")
     s.add_argument("--data", nargs="+", required=True, help="JSONL / .npz files written by data or pack")
     s.add_argument("--out", required=True, help=".npz file to write (e.g. DRAFTER_DIR/datastore.npz)")
-    s.add_argument("--vocab-size", type=positive_int, default=None, help="target vocabulary (default: the packed files')")
+    s.add_argument("--vocab-size", type=positive_int, default=None,
+                   help="target vocabulary (default: the packed files')")
     s.add_argument("--held-out", type=int, default=400, help="greedy rows whose prompts measure the hit rates")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true")

@@ -73,7 +73,7 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
         parents = jnp.full((1,), -1, jnp.int32)
         return Tree(root[None].astype(jnp.int32), parents, jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.float32),
                     ancestor_mask(parents, depth))
-    k = min(top_k, vocab, max(m, 1))
+    k = min(top_k, vocab, m)
     # The barrier keeps XLA:CPU from rewriting top-k + the gathers below into a full sort of the
     # vocabulary (195 ms -> 3 ms per tree at SmolLM2's 49k vocab); GPU is unaffected.
     top_lp, top_tok = jax.lax.optimization_barrier(jax.lax.top_k(log_probs.astype(jnp.float32), k))  # [depth, k]
