@@ -26,8 +26,8 @@
 # verify probe is done (AR 0.57 of the HBM floor on an H200), and 553 s of drafter training gave v17
 # (+9% tau on every evaluation set, 8,117 steps: a GPU's steps are what moves this drafter, the curve was
 # still rising). Never run on a GPU yet: tree_prefill at 8B shapes (perf) and the default pair end to end
-# (e2e). So, after running `training_data/smollm2-135m-instruct/device_pieces.sh` here (three pieces, 63 MiB
-# each with the tracked files: commit nothing between the calls, results after the lease),
+# (e2e). So, after running `training_data/smollm2-135m-instruct/device_pieces.sh` here (four pieces since the
+# datastore's 2026-12-05 rebuild, 57 MiB each with the tracked files: commit nothing between the calls, results after the lease),
 # back to back:
 # The lease is 900 s with the start (~45 s) and the drafter's steps are what moves tau, so the measuring
 # calls are cut to what answers their question:
@@ -39,6 +39,8 @@
 #   2. carry .device/p2: `bash benchmarks/gpu_session.sh stash && timeout 110 bash benchmarks/gpu_session.sh
 #      floor` (timeout_s ~125): where the AR step's missing 43% goes (XLA's products alone, separate vs
 #      q|k|v and gate|up side by side, CUDA graphs as they are / on for every kind / off);
+#   2b. carry .device/p3: `bash benchmarks/gpu_session.sh stash` (timeout_s ~30; as many such calls as
+#      device_pieces.sh names before the last piece);
 #   3. carry the last piece: `DATA_S=0 bash training_data/smollm2-135m-instruct/gpu_drafter.sh SECONDS`,
 #      SECONDS = min(560, status's budget_left_s - 200), timeout_s = SECONDS + 25. It continues the shipped
 #      pair (v17: drafter + recurrent rank-256 head) with `--marginal 1.0` (v17's run lacked it and its
@@ -54,7 +56,7 @@
 #   4. carry the last piece again, at once: `PROMPTS=2 timeout 150 bash benchmarks/gpu_session.sh e2e`
 #      (timeout_s ~165): the default pair end to end (ar, dflash, fixed:16/64, bastion; 2 prompts of each
 #      evaluation set, 128 new tokens, texts checked against AR). If the machine went back in between,
-#      it converts the target again from the GGUF pieces (stash them first: calls 1-2 again);
+#      it converts the target again from the GGUF pieces (stash them first: calls 1-2b again);
 #   5. with time left (the machine stays warm 30 s): continue the last step at lr 1e-4 for what remains, as
 #      the 2026-12-04 lease's second run did (the command is in that results file), its best/ split in pieces.
 # Then measure the exports here with `train_drafter eval` (head on and off) and end to end

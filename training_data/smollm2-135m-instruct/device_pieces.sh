@@ -9,7 +9,7 @@
 #   call N:         carry .device/pN, run `bash training_data/smollm2-135m-instruct/gpu_drafter.sh BUDGET`.
 # The last piece also holds the gguf wheel (the device image lacks it), the training-split prompt
 # files, the evaluation prompts (bench/, for `gpu_session.sh e2e`: each set's first 16) and the converted
-# tokenizer files. Since the prompts were cut (2026-12-05) the tracked files can grow ~185 KB before a fourth piece.
+# tokenizer files. Four pieces since the datastore grew to 6.3 MB (2026-12-05), with room for the tracked files to grow.
 # The pieces are balanced, with 512 KiB kept free for the tracked files to grow between the calls of one
 # lease (commit results after it: with 1 MiB kept free the k24 set, 2026-12-05, made the GGUF need four
 # pieces instead of three); the script says how many there are.
