@@ -45,8 +45,8 @@
 #      SECONDS = min(560, status's budget_left_s - 200), timeout_s = SECONDS + 25. It continues the shipped
 #      pair (v17: drafter + recurrent rank-256 head) with `--marginal 1.0` (v17's run lacked it and its
 #      head-free law fell 10%) on every committed set (the maths, docstring and passage sets m17, m18, p19
-#      included since 2026-12-04: the fifth lease's run left them out; with m22, c20-c23 and the code set k24 since then,
-#      31,927 distinct rows, 5.9M loss tokens at seq 384, against the fifth lease's 20,525), 6,000 steps of batch 32 at lr
+#      included since 2026-12-04: the fifth lease's run left them out; with m22, c20-c23, the code set k24 and m25 since then,
+#      33,212 distinct rows, ~6.1M loss tokens at seq 384, against the fifth lease's 20,525), 6,000 steps of batch 32 at lr
 #      3e-4 (~410 s on an H200; a shorter budget cuts the cosine on wall time). Its validation walks
 #      32 held-out rows with the head and without it (`walk_tau`, `walk_tau_own` in ret/*-metrics.jsonl);
 #      ret/v9a is best/ by the head's walk, ret/v9a-final the last step; ret/trace-v9a-*/step-trace.md where a

@@ -99,9 +99,9 @@ python -m bastion_jax.train_drafter data --out runs/data/k24.jsonl --num 1500 --
 python -m bastion_jax.train_drafter pack --data runs/data/k24.jsonl --out $here/k24.npz --vocab-size 49152
 # More maths and function completions (2026-12-05, the end of a CPU-only session): 900 maths problems of
 # the target's own (seed 25, magpie_prompts_m25.jsonl.gz, committed) and 600 function-completion prompts
-# (--docstrings), as m17; T = 0. Only the prompts are committed so far: 768 greedy answers were made
-# (629 new rows, 118,037 tokens) but the set would push the GGUF's device pieces from three to four
-# (device_pieces.sh); this command makes the answers again (greedy: the same ones) when there is room.
+# (--docstrings), as m17; T = 0. The prompts were committed first (the set would then have pushed the
+# GGUF's device pieces from three to four); the answers followed once the datastore's rebuild had made
+# them four anyway (2026-12-05).
 python -m bastion_jax.train_drafter data --out runs/data/m25.jsonl --num 1500 --seed 25 --sources --stdlib 0 \
   --docstrings 600 --magpie 900 --magpie-openers math --max-new-tokens 256 --batch-size 48 --temperature 0
 python -m bastion_jax.train_drafter pack --data runs/data/m25.jsonl --out $here/m25.npz --vocab-size 49152
