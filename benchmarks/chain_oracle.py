@@ -19,17 +19,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bastion_jax.acceptance import read_prompts, resolve_prompt_file, set_name
-from bastion_jax.checkpoints import load_target
-from bastion_jax.datastore import NUM_CLASSES, load_datastore, store_chain
+from bastion_jax.acceptance import PromptError, read_prompts, resolve_prompt_file, set_name
+from bastion_jax.checkpoints import CheckpointError, load_target
+from bastion_jax.cli import fail
+from bastion_jax.datastore import NUM_CLASSES, DatastoreError, load_datastore, store_chain
 from bastion_jax.default_model import default_drafter_dir, default_target_dir
 from bastion_jax.engine import Engine
-from bastion_jax.lookup import Chain, LookupConfig, expected_length, find_chain, probabilities
+from bastion_jax.lookup import LookupConfig, LookupState, current_chain, find_chain
 from bastion_jax.text import encode_prompt, load_tokenizer
 from benchmarks.report import commit, write_results
 
@@ -49,25 +51,31 @@ def answer_table(cfg: LookupConfig, store, prompt: list[int], answer: list[int],
     n = len(answer) - 1  # roots: answer[0 .. n-1], each followed by a known token
     roots = np.arange(len(prompt), len(prompt) + n)
     hist = np.where(np.arange(len(text))[None, :] <= roots[:, None], text[None, :], 0)  # [n, L] the text so far
-    first, cont = probabilities(cfg, jnp.zeros((cfg.max_ngram + NUM_CLASSES, 4), jnp.float32), store)
-
-    def one(h, root):
-        ctx = find_chain(cfg, h, root, depth, (first, cont))
-        tokens, cls, found = store_chain(store, h, root, depth)
-        col = cfg.max_ngram + cls
-        ds = Chain(tokens, jnp.where(found, first[col], 0.0), jnp.where(found, cont[col], 0.0))
-        return ctx.tokens, tokens, expected_length(ds) > expected_length(ctx)
-
-    c, s, use = jax.device_get(jax.jit(jax.vmap(one))(jnp.asarray(hist), jnp.asarray(roots, jnp.int32)))
+    # A fresh request's lookup state at every root (no outcomes counted: the prior rates)
+    state = LookupState(jnp.asarray(hist), jnp.full((n, depth), -1, jnp.int32), jnp.zeros((n,), jnp.int32),
+                        jnp.zeros((n, cfg.max_ngram + NUM_CLASSES, 4), jnp.float32))
+    root_pos = jnp.asarray(roots, jnp.int32)
+    offered = current_chain(cfg, state, root_pos, store).tokens  # [n, depth] what decoding would offer
+    c = jax.vmap(lambda h, r: find_chain(cfg, h, r, depth).tokens)(state.history, root_pos)
+    s = jax.vmap(lambda h, r: store_chain(store, h, r, depth)[0])(state.history, root_pos)
+    c, s, offered = jax.device_get((c, s, offered))
     truth = np.full((n, depth), -2, np.int64)
     for i in range(n):
         nxt = answer[i + 1:i + 1 + depth]
         truth[i, :len(nxt)] = nxt
     rc, rs = runs(c, truth), runs(s, truth)
-    return np.stack([rc, rs, np.where(use, rs, rc), np.maximum(rc, rs)], axis=1)
+    return np.stack([rc, rs, runs(offered, truth), np.maximum(rc, rs)], axis=1)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    try:
+        measure(argv)
+    except (CheckpointError, DatastoreError, PromptError) as e:
+        return fail(e)
+    return 0
+
+
+def measure(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", nargs="+", default=["gsm8k_test", "math500", "humaneval", "mbpp", "mt_bench"],
                     help="standard sets by name and/or JSONL(.gz) prompt files")
@@ -77,14 +85,14 @@ def main(argv=None) -> None:
     ap.add_argument("--name", default="cpu-smollm2-chain-oracle")
     ap.add_argument("--out-dir", default="benchmarks/results")
     args = ap.parse_args(argv)
+    paths = [resolve_prompt_file(spec) for spec in args.prompts]  # a wrong name fails before any loading
     target = load_target(default_target_dir())
     tok = load_tokenizer(target)
     engine = Engine(target, tok)
     store = load_datastore(default_drafter_dir() / "datastore.npz", target.config.vocab_size)
     cfg = LookupConfig()
     sets: dict[str, np.ndarray] = {}
-    for spec in args.prompts:
-        path = resolve_prompt_file(spec)
+    for path in paths:
         prompts = [encode_prompt(tok, t) for t in read_prompts(path, args.max_prompts)]
         answers = engine.generate(prompts, max_new_tokens=args.max_new_tokens, mode="ar").tokens
         sets[set_name(path)] = np.concatenate([answer_table(cfg, store, list(p), list(a), args.depth)
@@ -105,4 +113,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,7 +5,7 @@ import numpy as np
 
 from bastion_jax.datastore import NUM_CLASSES, load_datastore, save_datastore, store_chain
 from bastion_jax.lookup import LookupConfig, find_chain
-from benchmarks.chain_oracle import answer_table, runs
+from benchmarks.chain_oracle import answer_table, main, runs
 
 
 def test_runs_count_leading_matches():
@@ -42,3 +42,9 @@ def test_answer_table_matches_one_position_at_a_time(tmp_path):
         assert table[i, :2].tolist() == expect, i
         assert table[i, 2] in expect and table[i, 3] == max(expect)
     assert (table[:, 0] > 0).any() and (table[:, 1] > 0).any()  # both sources matter in this answer
+
+
+def test_a_missing_prompt_file_is_one_error_line(tmp_path, capsys):
+    assert main(["--prompts", str(tmp_path / "none.jsonl"), "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "none.jsonl" in err and len(err.splitlines()) == 1
