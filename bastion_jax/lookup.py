@@ -1,5 +1,6 @@
 """Context lookup: the continuation of the latest earlier occurrence of the text's last n tokens,
-offered to the draft tree as one extra chain beside the drafter's candidates.
+offered to the draft tree as an extra chain beside the drafter's candidates (and the datastore's
+chain, `datastore.py`, beside it when there is one).
 
 Why: a small target repeats itself and its prompt (numbers of a word problem, identifiers in code,
 its own sentences). On the target-written training responses of the shipped SmolLM2 pair, the
@@ -50,10 +51,15 @@ class LookupConfig:
     first: tuple[float, ...] = SMOLLM2_FIRST  # [max_ngram] P(c_1 right) for a match of n = 1.. tokens
     cont: tuple[float, ...] = SMOLLM2_CONT  # [max_ngram] P(c_d right | c_<d right)
     prior_weight: float = 8.0  # the table counts as this many trials against what a request's chains do
+    # With a datastore: 2 puts both chains (the context's, the datastore's) in every drafted tree, 1
+    # only the one that promises more (`current_chain`)
+    tree_chains: int = 2
 
     def __post_init__(self):
         if self.max_ngram < 1:
             raise ValueError(f"lookup max_ngram must be >= 1, got {self.max_ngram}")
+        if self.tree_chains not in (1, 2):
+            raise ValueError(f"lookup tree_chains must be 1 or 2, got {self.tree_chains}")
         for name in ("first", "cont"):
             values = getattr(self, name)
             if len(values) != self.max_ngram or not all(0.0 <= v < 1.0 for v in values):
@@ -61,12 +67,13 @@ class LookupConfig:
 
 
 class Chain(NamedTuple):
-    """One row's lookup chain (add a leading batch axis for rows)."""
+    """One row's lookup chain (add a leading batch axis for rows), or its chains: with a chain axis
+    C before `depth` (tokens [C, depth], the others [C]), the context's then the datastore's."""
 
     tokens: jax.Array  # [depth] int32 c_1..c_D; -1 where there is none (no match, or past the known text)
     first: jax.Array  # [] f32 P(c_1 right); 0 when there is no chain
     cont: jax.Array  # [] f32 P(c_d right | c_<d right)
-    order: jax.Array | None = None  # [] int32 the match length n (0: no chain)
+    order: jax.Array | None = None  # [] int32 the class its outcomes count in (the match length n; 0: no chain)
 
 
 def find_chain(cfg: LookupConfig, history: jax.Array, root_pos: jax.Array, depth: int,
@@ -109,8 +116,8 @@ class LookupState:
     chain offered after the current root, and counts of how chains fared on this text so far."""
 
     history: jax.Array  # [b, L] int32 the row's tokens by position, the root last
-    chain: jax.Array  # [b, depth] int32 the chain after the root (-1: none)
-    order: jax.Array  # [b] int32 its match length (0: none)
+    chain: jax.Array  # [b, depth] (or [b, C, depth] with C chains) int32 the chain after the root (-1: none)
+    order: jax.Array  # [b] (or [b, C]) int32 its class (0: none)
     # [b, C, 4] f32 per chain class (match length n, then the datastore's classes): first hits, first
     # trials, cont hits, cont trials
     counts: jax.Array
@@ -163,7 +170,8 @@ def init_state(cfg: LookupConfig | None, tokens: jax.Array, lengths: jax.Array, 
     history = jnp.zeros((b, slots), jnp.int32).at[:, :tokens.shape[1]].set(tokens[:, :slots])
     history = append_rows(history, root[:, None], lengths, jnp.ones_like(lengths))
     n = (cfg.max_ngram + (NUM_CLASSES if store is not None else 0)) if cfg is not None else 1
-    state = LookupState(history, jnp.full((b, depth), -1, jnp.int32), jnp.zeros((b,), jnp.int32),
+    lead = (b, 2) if cfg is not None and store is not None and cfg.tree_chains == 2 else (b,)
+    state = LookupState(history, jnp.full(lead + (depth,), -1, jnp.int32), jnp.zeros(lead, jnp.int32),
                         jnp.zeros((b, n, 4), jnp.float32))
     return _with_chain(cfg, state, lengths, store)
 
@@ -175,10 +183,13 @@ def advance(cfg: LookupConfig | None, state: LookupState, committed: jax.Array, 
     too, None when lookup is off)."""
     history = append_rows(state.history, committed, length + 1, count)
     counts = state.counts
-    if cfg is not None:
-        outcome = jax.vmap(chain_outcome)(state.chain, committed, count)  # [b, 4]
-        slot = jax.nn.one_hot(jnp.maximum(state.order - 1, 0), counts.shape[1]) * (state.order > 0)[:, None]  # [b, C]
-        counts = counts + slot[:, :, None] * outcome[:, None, :]
+    if cfg is not None:  # every chain offered is judged, in its own class
+        chains = state.chain if state.chain.ndim == 3 else state.chain[:, None]  # [b, C, depth]
+        orders = state.order if state.order.ndim == 2 else state.order[:, None]  # [b, C]
+        for c in range(chains.shape[1]):
+            outcome = jax.vmap(chain_outcome)(chains[:, c], committed, count)  # [b, 4]
+            slot = jax.nn.one_hot(jnp.maximum(orders[:, c] - 1, 0), counts.shape[1]) * (orders[:, c] > 0)[:, None]
+            counts = counts + slot[:, :, None] * outcome[:, None, :]  # slot [b, classes]
     return _with_chain(cfg, state.replace(history=history, counts=counts), length + count, store)
 
 
@@ -188,6 +199,15 @@ def _with_chain(cfg: LookupConfig | None, state: LookupState, root_pos: jax.Arra
         return state, None
     chain = current_chain(cfg, state, root_pos, store)
     return state.replace(chain=chain.tokens, order=chain.order), chain
+
+
+def primary(chain: Chain | None) -> Chain | None:
+    """The one chain [b, depth] of batched chains [b, C, depth] that promises more accepted tokens on
+    its own (`expected_length`): what a step that does not draft holds and reports."""
+    if chain is None or chain.tokens.ndim == 2:
+        return chain
+    pick = jnp.argmax(expected_length(chain), axis=1)  # [b]
+    return Chain(*(jnp.take_along_axis(a, pick.reshape((-1,) + (1,) * (a.ndim - 1)), 1)[:, 0] for a in chain))
 
 
 def expected_length(chain: Chain) -> jax.Array:
@@ -200,15 +220,16 @@ def expected_length(chain: Chain) -> jax.Array:
 def current_chain(cfg: LookupConfig, state: LookupState, root_pos: jax.Array, store: Datastore | None = None
                   ) -> Chain:
     """The chain after the root at `root_pos` [b], with this text's learnt probabilities (batched):
-    the context lookup's, or the datastore's (`datastore.py`) where that one promises more accepted
-    tokens. Its `order` is the class its outcomes count in: the match length n for the context's,
-    max_ngram + 1 + the datastore class for the datastore's.
+    the context lookup's; with a datastore (`datastore.py`) both it and the datastore's (tokens
+    [b, 2, depth], the context's first), or with `tree_chains` 1 the one that promises more
+    accepted tokens. Its `order` is the class its outcomes count in: the match length n for the
+    context's, max_ngram + 1 + the datastore class for the datastore's.
 
     A nested jit: every step runs it on the same shapes, so it is traced and lowered once per
     step's program rather than in each of a request's ~10 steps (~0.35 s each on CPU, the
     datastore's vmapped search most of it, on every run: the persistent compilation cache keys on
     the lowered program); XLA inlines the call, so the compiled step is the same."""
-    depth = state.chain.shape[1]
+    depth = state.chain.shape[-1]
     first, cont = jax.vmap(partial(probabilities, cfg, store=store))(state.counts)  # [b, C] each
     ctx = jax.vmap(find_chain, in_axes=(None, 0, 0, None, 0))(cfg, state.history, root_pos, depth,
                                                                (first, cont))
@@ -219,8 +240,8 @@ def current_chain(cfg: LookupConfig, state: LookupState, root_pos: jax.Array, st
     ds = Chain(tokens, jnp.where(found, jnp.take_along_axis(first, col, 1)[:, 0], 0.0),
                jnp.where(found, jnp.take_along_axis(cont, col, 1)[:, 0], 0.0),
                jnp.where(found, cfg.max_ngram + 1 + cls, 0).astype(jnp.int32))
-    use = expected_length(ds) > expected_length(ctx)  # [b]
-    return Chain(*(jnp.where(use[:, None] if a.ndim == 2 else use, a, c) for a, c in zip(ds, ctx)))
+    both = Chain(*(jnp.stack([c, d], axis=1) for c, d in zip(ctx, ds)))  # [b, 2, ...]
+    return both if cfg.tree_chains == 2 else primary(both)
 
 
 def chain_curve(chain: Chain, buckets: tuple[int, ...]) -> jax.Array:

@@ -45,11 +45,13 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
 
     `log_probs` row d-1 is the drafter's log-distribution for depth d (block slot d); `ids` [vocab]
     maps its columns to token ids (a reduced draft vocabulary; default: the column is the id).
-    `chain` (a context-lookup chain, see `lookup.py`) adds its token at each depth as a candidate and
-    scores paths in two states: on the chain (every token so far equals the chain's), a child equal
-    to the chain's next token has probability w + (1 - w) p and any other child (1 - w) p, with
-    w = chain.first at depth 1 and chain.cont deeper (p the drafter's, for the chain's token whatever
-    its rank); off the chain the drafter's p alone.
+    `chain` (lookup chains, see `lookup.py`: tokens [depth], or [C, depth] for C <= 2 chains with
+    first / cont [C]) adds each chain's token at each depth as a candidate. A path is on the chains
+    whose tokens it has followed so far; under a node on the chains H (those with a token there), each
+    chain c is right with probability w_c (first at depth 1, cont deeper) independently, conditioned
+    on the right ones agreeing (`_chain_rows`): for one chain, a child equal to its next token has
+    probability w + (1 - w) p and any other child (1 - w) p (p the drafter's, for a chain's token
+    whatever its rank); off every chain the drafter's p alone.
 
     Only the top min(top_k, num_nodes - 1) tokens per depth are read: a token ranked lower has at least
     num_nodes - 1 siblings ahead of it (same parent, no lower score, and ties go to the better rank), so
@@ -80,23 +82,22 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     if ids is not None:
         top_tok = ids[top_tok]
     neg_inf = jnp.float32(-jnp.inf)
-    if chain is None:
+    chains = as_chains(chain)
+    n_ch = 0 if chains is None else chains.tokens.shape[0]  # C: chains in the tree
+    if chains is None:
         on_lp = off_lp = top_lp
+        chain_tok = jnp.zeros((depth, 0), jnp.int32)  # [depth, C]
     else:
-        look = chain.tokens  # [depth] target ids
+        chain_tok = chains.tokens.T.astype(jnp.int32)  # [depth, C] target ids
         if ids is None:
-            chain_col = jnp.clip(look, 0, vocab - 1)
+            chain_lp = jnp.take_along_axis(log_probs, jnp.clip(chain_tok, 0, vocab - 1), axis=1)
         else:  # the chain token's column in the draft vocabulary, if it has one (else -inf below)
-            chain_col = jnp.argmax(ids[None, :] == look[:, None], axis=1)
-            look_ok = jnp.any(ids[None, :] == look[:, None], axis=1)
-        chain_lp = jnp.take_along_axis(log_probs, chain_col[:, None], axis=1)[:, 0].astype(jnp.float32)
-        if ids is not None:
-            chain_lp = jnp.where(look_ok, chain_lp, neg_inf)
-        chain_lp = jnp.where(look >= 0, chain_lp, neg_inf)  # [depth]
-        w = jnp.where(jnp.arange(depth) == 0, chain.first, chain.cont)  # [depth]
-        top_lp, top_tok, on_lp = _candidates_with_chain(top_lp, top_tok, look, w, chain_lp)
-        off_lp = top_lp
-        k = k + 1
+            hit = ids[None, None, :] == chain_tok[:, :, None]  # [depth, C, vocab]
+            chain_lp = jnp.where(hit.any(-1), jnp.take_along_axis(log_probs, jnp.argmax(hit, -1), axis=1), neg_inf)
+        chain_lp = jnp.where(chain_tok >= 0, chain_lp.astype(jnp.float32), neg_inf)  # [depth, C]
+        w = jnp.where(jnp.arange(depth)[:, None] == 0, chains.first[None], chains.cont[None])  # [depth, C]
+        off_lp, top_tok, on_lp = _chain_rows(top_lp, top_tok, chain_tok, w, chain_lp)  # on_lp [depth, S, k + C]
+        k = k + n_ch
 
     def keep_best(scores: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Top m of a flat candidate list, padded with -inf when there are fewer than m."""
@@ -104,43 +105,49 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
             scores = jnp.concatenate([scores, jnp.full((m - scores.shape[0],), neg_inf)])
         return jax.lax.top_k(scores, m)
 
-    # Depth 1: children of the root (on the chain, if there is one).
-    s, idx = keep_best(on_lp[0])  # [m]
+    # Depth 1: children of the root (on every chain, if there are any).
+    s, idx = keep_best(on_lp[0, -1] if n_ch else on_lp[0])  # [m]
     tok = jnp.where(idx < k, top_tok[0][jnp.minimum(idx, k - 1)], -1)
-    chain_tok = chain.tokens if chain is not None else jnp.full((depth,), -1, jnp.int32)  # [depth]
-    on = (tok >= 0) & (tok == chain_tok[0])  # [m] still on the chain
+    on = (tok[:, None] >= 0) & (tok[:, None] == chain_tok[0][None, :])  # [m, C] still on chain c
 
     def expand(prev, on, pairs, on_rows, off_rows, tok_rows, chain_d):
         """The top m of (kept parents) x (their candidates) among `pairs` (parent, rank), each parent's
-        row given by `*_rows(parent, rank)`. With a chain, at most one kept node is on it: its row
-        (the on-chain scores, unsorted) goes in whole, last. Returns (scores, on, parent, token) [m]."""
+        row given by `*_rows(parent, rank)`. With chains, at most one kept node is on each: chain c's
+        node (unless an earlier chain's node is the same one) has its row `on_rows(parent, state)` for
+        the chains it is on (unsorted) taken whole, after the others. Returns (scores, on [m, C],
+        parent, token) [m]."""
         ci, cj = pairs
-        if chain is None:
+        if not n_ch:
             s, idx = keep_best(prev[ci] + off_rows(ci, cj))  # [m] of the candidate pairs, in flat order
             parent, rank = ci[idx], cj[idx]
         else:
-            r = jnp.argmax(on)
-            has = on[r]
-            off = jnp.where(has & (ci == r), neg_inf, prev[ci] + off_rows(ci, cj))  # [n_pairs]
-            on_row = jnp.where(has, prev[r] + on_rows(r), neg_inf)  # [k]
-            s, idx = keep_best(jnp.concatenate([off, on_row]))
-            n_off = ci.shape[0]
+            specials, rows = [], []
+            for c in range(n_ch):
+                r = jnp.argmax(on[:, c])
+                has = on[r, c] & ~jnp.any(on[r, :c])  # a node on an earlier chain too has that one's row
+                state = jnp.sum(on[r].astype(jnp.int32) << jnp.arange(n_ch)) - 1  # its chains, as a mask - 1
+                specials.append(r)
+                rows.append(jnp.where(has, prev[r] + on_rows(r, state), neg_inf))  # [k]
+            off = jnp.where(jnp.any(on, axis=1)[ci], neg_inf, prev[ci] + off_rows(ci, cj))  # [n_pairs]
+            s, idx = keep_best(jnp.concatenate([off] + rows))
+            n_off, kk = ci.shape[0], rows[0].shape[0]
             pair = jnp.minimum(idx, n_off - 1)  # (read only where idx < n_off: an off-chain pair)
-            parent = jnp.where(idx < n_off, ci[pair], r)
-            rank = jnp.where(idx < n_off, cj[pair], idx - n_off)
+            row = jnp.clip(idx - n_off, 0) // kk
+            parent = jnp.where(idx < n_off, ci[pair], jnp.stack(specials)[row])
+            rank = jnp.where(idx < n_off, cj[pair], jnp.clip(idx - n_off, 0) % kk)
         tok = tok_rows(parent, rank)
-        on = on[parent] & (tok == chain_d) if chain is not None else on
+        on = on[parent] & (tok[:, None] == chain_d[None, :])
         return s, on, parent.astype(jnp.int32), tok
 
-    shared_pairs = tuple(map(jnp.asarray, _pair_candidates(m, k, chain is not None)))  # [n_pairs] each
+    shared_pairs = tuple(map(jnp.asarray, _pair_candidates(m, k, n_ch)))  # [n_pairs] each
 
     def deeper(carry, xs):
         """One more depth from its shared candidate row: the top m of (kept parents) x (k tokens). A
         scan, not a Python loop: one body to compile whatever the block size (XLA:GPU's compile time
         follows the kernel count)."""
-        prev, on, _ = carry  # [m] scores, [m] bool, [m] tokens
-        on_d, off_d, tok_d, chain_d = xs  # [k], [k], [k], []
-        s, on, parent, tok = expand(prev, on, shared_pairs, lambda r: on_d, lambda i, j: off_d[j],
+        prev, on, _ = carry  # [m] scores, [m, C] bool, [m] tokens
+        on_d, off_d, tok_d, chain_d = xs  # [S, k] (or [k] without chains), [k], [k], [C]
+        s, on, parent, tok = expand(prev, on, shared_pairs, lambda r, state: on_d[state], lambda i, j: off_d[j],
                                     lambda i, j: tok_d[j], chain_d)
         return (s, on, tok), (s, parent, tok)
 
@@ -150,7 +157,7 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     if n_cond >= 2:
         state0 = jnp.zeros((0,), jnp.float32) if child_state is None else child_state
         carry, level = _conditioned_depths(child_law, carry, jnp.broadcast_to(state0, (m,) + state0.shape), n_cond,
-                                           m, k, ids, chain, expand)
+                                           m, k, ids, chains, expand)
         levels.append(level)
     start = max(n_cond, 1)
     if start < depth:
@@ -181,18 +188,19 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
     return Tree(tree_tokens, tree_parents, tree_depths, tree_lp, ancestor_mask(tree_parents, depth))
 
 
-def _pair_candidates(m: int, k: int, chain: bool) -> tuple[np.ndarray, np.ndarray]:
+def _pair_candidates(m: int, k: int, n_chains: int) -> tuple[np.ndarray, np.ndarray]:
     """The (parent, rank) pairs of one depth, in flat order, that can be among its best m children.
 
     Why: the kept parents' scores are sorted (descending) and so is each depth's token list, so pair
     (i, j) is outscored, or tied at a lower flat index, by every (i', j') with i' <= i, j' <= j: with
     (i + 1)(j + 1) > m of them it is never kept. At k = m = 63 that leaves 273 of 3,969 pairs (a 64-node
-    tree over 8,192 columns on CPU: 1.57 -> 1.41 ms). With a lookup chain, the one parent on the chain
-    scores with other (unsorted) numbers: its row is taken whole, after the others (so an exact tie
-    between an on-chain and an off-chain pair keeps the off-chain one), and an off-chain row i >= 1
-    has at least i sorted rows at or above it, so (i, j) needs i (j + 1) <= m (335 pairs)."""
+    tree over 8,192 columns on CPU: 1.57 -> 1.41 ms). With lookup chains, the (at most one per chain)
+    parents on a chain score with other (unsorted) numbers: their rows are taken whole, after the
+    others (so an exact tie between an on-chain and an off-chain pair keeps the off-chain one), and
+    an off-chain row i has at least i + 1 - C sorted rows at or above it (itself included), so (i, j)
+    needs max(i + 1 - C, 1) (j + 1) <= m (335 pairs for one chain)."""
     i, j = np.meshgrid(np.arange(m), np.arange(k), indexing="ij")
-    rows_above = np.maximum(i, 1) if chain else i + 1
+    rows_above = np.maximum(i + 1 - n_chains, 1)
     keep = (rows_above * (j + 1) <= m).reshape(-1)
     return i.reshape(-1)[keep].astype(np.int32), j.reshape(-1)[keep].astype(np.int32)
 
@@ -207,16 +215,17 @@ def _cond_pairs(m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _conditioned_depths(child_law: ChildLaw, carry, states: jax.Array, n_cond: int, m: int, k: int,
-                        ids: jax.Array | None, chain: Chain | None, expand):
+                        ids: jax.Array | None, chains: Chain | None, expand):
     """Depths 2..n_cond of `build_tree`, each kept parent's children from its own law: a scan over
     the depths whose body asks `child_law` for the m kept parents' rows (given the states [m, S]
-    their parents handed down), takes each row's top k (and, with a chain, the chain token's log-prob
+    their parents handed down), takes each row's top k (and, with chains, each chain token's log-prob
     in each row) and keeps the best m pairs, each child with its parent's state."""
     neg_inf = jnp.float32(-jnp.inf)
-    kk = k - (chain is not None)  # the drafter's candidates per row (a chain adds its token as one more)
+    n_ch = 0 if chains is None else chains.tokens.shape[0]
+    kk = k - n_ch  # the drafter's candidates per row (each chain adds its token as one more)
 
     def body(carry, d):
-        prev, on, ptok, pstate = carry  # [m] scores, [m] bool, [m] target ids (-1: padding), [m, S]
+        prev, on, ptok, pstate = carry  # [m] scores, [m, C] bool, [m] target ids (-1: padding), [m, S]
         law, cols, state = child_law(d, jnp.maximum(ptok, 0), pstate)  # [m, C], [C] or None, [m, S]
         law = law.astype(jnp.float32)
         width = min(kk, law.shape[1])  # a law over C < kk candidate columns offers C children
@@ -224,17 +233,19 @@ def _conditioned_depths(child_law: ChildLaw, carry, states: jax.Array, n_cond: i
         lp, col = jax.lax.optimization_barrier(jax.lax.top_k(law, width))  # [m, width] (barrier: see build_tree)
         ids_c = ids if cols is None else (cols if ids is None else ids[cols])  # a column's token id (None: itself)
         tok = ids_c[col] if ids_c is not None else col
-        if chain is None:
+        chain_d = jnp.zeros((0,), jnp.int32) if not n_ch else chains.tokens[:, d].astype(jnp.int32)  # [C]
+        if not n_ch:
             on_rows = off_rows = lp
-            chain_d = jnp.int32(-1)
         else:
-            chain_d = chain.tokens[d]
-            hit = (ids_c == chain_d) if ids_c is not None else (jnp.arange(law.shape[1]) == chain_d)  # [C]
-            chain_lp = jnp.where((chain_d >= 0) & hit.any(), jnp.max(jnp.where(hit[None], law, neg_inf), axis=1),
-                                 neg_inf)  # [m]
-            off_rows, tok, on_rows = _candidates_with_chain(lp, tok, jnp.full((m,), chain_d), jnp.full((m,), chain.cont),
-                                                            chain_lp)
-        s, on, parent, new_tok = expand(prev, on, pairs, lambda r: on_rows[r], lambda i, j: off_rows[i, j],
+            if ids_c is None:
+                hit_col, found = jnp.clip(chain_d, 0, law.shape[1] - 1), chain_d >= 0
+            else:
+                hit = ids_c[None, :] == chain_d[:, None]  # [C, cols]
+                hit_col, found = jnp.argmax(hit, axis=1), hit.any(axis=1) & (chain_d >= 0)
+            chain_lp = jnp.where(found[None, :], law[:, hit_col], neg_inf)  # [m, C]
+            off_rows, tok, on_rows = _chain_rows(lp, tok, jnp.broadcast_to(chain_d, (m, n_ch)),
+                                                 jnp.broadcast_to(chains.cont, (m, n_ch)), chain_lp)
+        s, on, parent, new_tok = expand(prev, on, pairs, lambda r, st: on_rows[r, st], lambda i, j: off_rows[i, j],
                                         lambda i, j: tok[i, j], chain_d)
         return (s, on, new_tok, state[parent]), (s, parent, new_tok)
 
@@ -242,24 +253,58 @@ def _conditioned_depths(child_law: ChildLaw, carry, states: jax.Array, n_cond: i
     return (s, on, tok), level
 
 
-def _candidates_with_chain(top_lp: jax.Array, top_tok: jax.Array, look: jax.Array, w: jax.Array, chain_lp: jax.Array
-                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The candidate rows [rows, k + 1] with the chain's token added as a last column (-inf off the
-    chain; -inf both ways when it is already a candidate or there is none), and their on-chain
-    log-probs. Per row (a depth, or a parent of one depth): `look` the chain's token (-1: none), `w`
-    the chain's weight there, `chain_lp` the drafter's log-prob of the chain's token (-inf: none)."""
-    look = look[:, None]  # [rows, 1]
-    w = jnp.where(look >= 0, w[:, None], 0.0)  # [rows, 1]
-    is_look = (top_tok == look) & (look >= 0)  # [rows, k]
-    extra = (look >= 0) & ~is_look.any(axis=1, keepdims=True)  # the chain's token is not a candidate
-    mixed = jnp.log((1.0 - w) * jnp.exp(top_lp) + jnp.where(is_look, w, 0.0))  # [rows, k]
-    on_lp = jnp.where(w > 0, mixed, top_lp)  # past the chain's end the drafter's own numbers, exactly
+def as_chains(chain: Chain | None) -> Chain | None:
+    """`chain` with a leading chain axis: tokens [C, depth], first / cont [C] (one chain [depth] -> C = 1)."""
+    if chain is None or chain.tokens.ndim == 2:
+        return chain
+    return Chain(chain.tokens[None], chain.first[None], chain.cont[None])
+
+
+def _chain_rows(top_lp: jax.Array, top_tok: jax.Array, look: jax.Array, w: jax.Array, chain_lp: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The candidate rows [rows, k + C] with each chain's token added as a column (-1 / -inf off the
+    chains; -1 when it is already a candidate, an earlier chain's, or none), and for each state (the
+    nonempty set of chains a parent is on, indexed by its bit mask - 1) the rows' log-probs
+    [rows, 2^C - 1, k + C]. Per row (a depth, or a parent of one depth): `look` [rows, C] the chains'
+    tokens (-1: none), `w` [rows, C] their weights there, `chain_lp` [rows, C] the drafter's log-prob
+    of each chain's token (-inf: none).
+
+    Why this law: each chain the parent is on and that has a token ("live") is right with its own
+    probability w_c, independently; the right ones must agree on the token, so the ways the chains
+    can be right (a set R of live chains with one token between them, R empty: none is, and the
+    drafter's p picks) are weighed prod_{c in R} w_c prod_{c live, not in R} (1 - w_c) and normalised.
+    One chain: its token w + (1 - w) p, the others (1 - w) p. Two that agree: their token
+    1 - (1 - w1)(1 - w2) + (1 - w1)(1 - w2) p. Two that differ: each w_c (1 - w_other) / (1 - w1 w2).
+    A state with no live chain gets the drafter's numbers exactly (`off`)."""
+    rows, k = top_lp.shape
+    n_ch = look.shape[1]
     neg_inf = jnp.float32(-jnp.inf)
-    top_tok = jnp.concatenate([top_tok, jnp.where(extra, look, -1)], axis=1)  # [rows, k + 1]
-    top_lp = jnp.concatenate([top_lp, jnp.full((top_lp.shape[0], 1), neg_inf)], axis=1)
-    extra_lp = jnp.log(w + (1.0 - w) * jnp.exp(chain_lp)[:, None])  # [rows, 1] w + (1 - w) p
-    on_lp = jnp.concatenate([on_lp, jnp.where(extra & (w > 0), extra_lp, neg_inf)], axis=1)  # w = 0: no chain
-    return top_lp, top_tok, on_lp
+    is_cand = (top_tok[:, None, :] == look[:, :, None]) & (look[:, :, None] >= 0)  # [rows, C, k]
+    dup = jnp.stack([jnp.any(look[:, :c] == look[:, c:c + 1], axis=1) for c in range(n_ch)], axis=1)  # [rows, C]
+    extra = (look >= 0) & ~is_cand.any(axis=2) & ~dup  # [rows, C] chain c's token is a column of its own
+    tok = jnp.concatenate([top_tok, jnp.where(extra, look, -1)], axis=1)  # [rows, k + C]
+    off = jnp.concatenate([top_lp, jnp.full((rows, n_ch), neg_inf)], axis=1)
+    p = jnp.concatenate([jnp.exp(top_lp), jnp.exp(chain_lp)], axis=1)  # [rows, k + C] the drafter's
+    col_is = (tok[:, None, :] == look[:, :, None]) & (look[:, :, None] >= 0)  # [rows, C, k + C]
+    states = []
+    for mask in range(1, 2 ** n_ch):
+        live = jnp.stack([(look[:, c] >= 0) & (w[:, c] > 0) & bool(mask >> c & 1) for c in range(n_ch)], 1)  # [rows, C]
+        wl = jnp.where(live, w, 0.0)  # [rows, C]
+        none_right = jnp.prod(1.0 - wl, axis=1)  # [rows] weight of R = {}
+        in_top = jnp.arange(k + n_ch) < k
+        mass = none_right[:, None] * p * (in_top[None] | jnp.any(col_is & live[:, :, None], axis=1))  # [rows, k + C]
+        total = none_right
+        for r in range(1, 2 ** n_ch):  # R: the chains that are right
+            members = [c for c in range(n_ch) if r >> c & 1]
+            ok = jnp.all(live[:, members], axis=1)
+            for c in members[1:]:
+                ok = ok & (look[:, c] == look[:, members[0]])
+            weight = jnp.where(ok, jnp.prod(jnp.where(jnp.asarray([r >> c & 1 for c in range(n_ch)], bool)[None],
+                                                      wl, 1.0 - wl), axis=1), 0.0)  # [rows]
+            mass = mass + weight[:, None] * col_is[:, members[0], :]
+            total = total + weight
+        states.append(jnp.where(jnp.any(live, axis=1, keepdims=True), jnp.log(mass / total[:, None]), off))
+    return off, tok, jnp.stack(states, axis=1)
 
 
 def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:

@@ -18,7 +18,7 @@ from flax import nnx, struct
 
 from bastion_jax.datastore import Datastore
 from bastion_jax.decoding import prefill_target
-from bastion_jax.lookup import Chain, LookupState, advance, chain_curve, init_state
+from bastion_jax.lookup import Chain, LookupState, advance, chain_curve, init_state, primary
 from bastion_jax.modeling.cache import KVCache, append_rows, causal_mask, write_rows
 from bastion_jax.modeling.cond_head import LAW_ROW_AXES, HeadLaw, child_log_probs, root_state
 from bastion_jax.sampling import argmax, sample
@@ -65,11 +65,11 @@ def root_tree(root: jax.Array, like: Tree) -> Tree:
 
 def held_tree(root: jax.Array, like: Tree, chain: Optional[Chain]) -> Tree:
     """The tree a step that did not draft leaves, shaped like `like`: the root and the lookup chain as
-    one path (`tree.chain_tree`; a later tree step may verify it without drafting), or the root alone
-    when lookup is off."""
+    one path (`tree.chain_tree`, the one of two that promises more; a later tree step may verify it
+    without drafting), or the root alone when lookup is off."""
     if chain is None:
         return root_tree(root, like)
-    return jax.vmap(chain_tree, in_axes=(0, 0, None))(root, chain, like.tokens.shape[1])
+    return jax.vmap(chain_tree, in_axes=(0, 0, None))(root, primary(chain), like.tokens.shape[1])
 
 
 def _next_tree(cfg: StepConfig, target, drafter, drafter_cache, features, ctx_start, ctx_len, root, draft_vocab=None,
@@ -134,7 +134,7 @@ def _then(cfg: StepConfig, then: int, target, drafter, state: TreeState, pending
     the curve of the drafted tree, or for HOLD / FLUSH the lookup chain's alone (zeros without lookup),
     a hint for the draft gate."""
     if chain is not None:  # a step that does not draft reports the lookup chain's own curve
-        no_curve = jax.vmap(chain_curve, in_axes=(0, None))(chain, cfg.buckets)  # [b, n_buckets]
+        no_curve = jax.vmap(chain_curve, in_axes=(0, None))(primary(chain), cfg.buckets)  # [b, n_buckets]
     else:
         no_curve = jnp.zeros((root.shape[0], len(cfg.buckets)), jnp.float32)
     if then == HOLD:

@@ -1,18 +1,19 @@
-"""What the lookup's one chain per step leaves behind: the context chain, the datastore chain, the one
-`lookup.current_chain` offers, and a hindsight choice of the two.
+"""What one lookup chain per step leaves behind: the context chain, the datastore chain, the one
+that promises more (what `LookupConfig(tree_chains=1)` offers a drafted tree, and what a step that
+does not draft holds by default), and a hindsight choice of the two.
 
     python -m benchmarks.chain_oracle --prompts gsm8k_test humaneval mt_bench --max-prompts 8
 
-Each step offers the draft tree one lookup chain: the context's (the continuation of the latest
-earlier occurrence of the text's last 1-4 tokens) or the datastore's (the majority continuation of
-the text's last 1-8 tokens in target-written text), whichever promises more accepted tokens by the
-classes' prior hit rates. At every position of each prompt's AR greedy answer this measures how many
-tokens each chain would have got right (no drafter, nothing verified: the answer is known), the
-one offered, and the better of the two in hindsight: the most a tree holding both chains could add
-over one, before the drafter's own candidates cover part of it. Positions, not a decoding walk: a
-loop in an answer counts at each of its positions. The priors are the untrained ones (a request's
-own outcomes move them in decoding, `lookup.probabilities`). Writes benchmarks/results/<name>.json
-and .md with device, date and commit.
+The context's chain is the continuation of the latest earlier occurrence of the text's last 1-4
+tokens, the datastore's the majority continuation of the text's last 1-8 tokens in target-written
+text; the one offered alone is the one that promises more accepted tokens by the classes' prior hit
+rates. At every position of each prompt's AR greedy answer this measures how many tokens each
+chain would have got right (no drafter, nothing verified: the answer is known), the one offered,
+and the better of the two in hindsight: the most a tree holding both chains (the default,
+`tree_chains=2`) can add over one, before the drafter's own candidates cover part of it.
+Positions, not a decoding walk: a loop in an answer counts at each of its positions. The priors are
+the untrained ones (a request's own outcomes move them in decoding, `lookup.probabilities`). Writes
+benchmarks/results/<name>.json and .md with device, date and commit.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from bastion_jax.cli import fail
 from bastion_jax.datastore import NUM_CLASSES, DatastoreError, load_datastore, store_chain
 from bastion_jax.default_model import default_drafter_dir, default_target_dir
 from bastion_jax.engine import Engine
-from bastion_jax.lookup import LookupConfig, LookupState, current_chain, find_chain
+from bastion_jax.lookup import LookupConfig, LookupState, current_chain, find_chain, primary
 from bastion_jax.text import encode_prompt, load_tokenizer
 from benchmarks.report import commit, write_results
 
@@ -55,7 +56,7 @@ def answer_table(cfg: LookupConfig, store, prompt: list[int], answer: list[int],
     state = LookupState(jnp.asarray(hist), jnp.full((n, depth), -1, jnp.int32), jnp.zeros((n,), jnp.int32),
                         jnp.zeros((n, cfg.max_ngram + NUM_CLASSES, 4), jnp.float32))
     root_pos = jnp.asarray(roots, jnp.int32)
-    offered = current_chain(cfg, state, root_pos, store).tokens  # [n, depth] what decoding would offer
+    offered = primary(current_chain(cfg, state, root_pos, store)).tokens  # [n, depth] the one chain offered
     c = jax.vmap(lambda h, r: find_chain(cfg, h, r, depth).tokens)(state.history, root_pos)
     s = jax.vmap(lambda h, r: store_chain(store, h, r, depth)[0])(state.history, root_pos)
     c, s, offered = jax.device_get((c, s, offered))

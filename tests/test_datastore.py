@@ -2,6 +2,8 @@
 vote, files (round trip, refusals), the choice between the context's and the datastore's chain, and
 engine runs that copy from it with greedy output still AR's."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ from bastion_jax.datastore import (
     FILE, MAX_MATCH, NUM_CLASSES, SAMPLES, SEP, Datastore, DatastoreError, build_order, chain_class, corpus,
     datastore_info, load_datastore, save_datastore, store_chain,
 )
-from bastion_jax.lookup import LookupConfig, LookupState, current_chain
+from bastion_jax.lookup import LookupConfig, LookupState, current_chain, primary
 
 
 def small_store(seqs, first=None, cont=None) -> Datastore:
@@ -127,8 +129,9 @@ def test_file_round_trip_and_refusals(tmp_path, monkeypatch):
 
 def test_the_chain_that_promises_more_is_offered():
     """The context's chain (match n = 1, weak) against the datastore's (an 8-token match, strong): the
-    datastore's is offered, counted in its class; with a weak datastore class the context's stays."""
-    cfg = LookupConfig(max_ngram=2, first=(0.3, 0.6), cont=(0.5, 0.7))
+    datastore's is the one offered alone (`primary`, `tree_chains=1`), counted in its class; with a
+    weak datastore class the context's. By default both are offered, the context's first."""
+    cfg = LookupConfig(max_ngram=2, first=(0.3, 0.6), cont=(0.5, 0.7), tree_chains=1)
     text = [1, 2, 3, 4, 5, 6, 7, 8, 4]  # root 4: the context matches "4" (-> 5 6 7 8 4 ...)
     store_seq = [1, 2, 3, 4, 5, 6, 7, 8, 4, 20, 21, 22]
     depth = 4
@@ -143,6 +146,11 @@ def test_the_chain_that_promises_more_is_offered():
     weak = small_store([store_seq], first=np.full(NUM_CLASSES, 0.05), cont=np.full(NUM_CLASSES, 0.1))
     got = current_chain(cfg, state, root, weak)
     assert np.asarray(got.tokens[0]).tolist() == [5, 6, 7, 8] and int(got.order[0]) == 1
+    both = current_chain(dataclasses.replace(cfg, tree_chains=2), state, root, strong)
+    assert np.asarray(both.tokens[0]).tolist() == [[5, 6, 7, 8], [20, 21, 22, -1]]
+    assert np.asarray(both.order[0]).tolist() == [1, 2 + 1 + cls]
+    assert np.asarray(both.first[0]) == pytest.approx([0.3, 0.9])
+    assert np.asarray(primary(both).tokens[0]).tolist() == [20, 21, 22, -1]
 
 
 def _answers_store(engine, prompts, tokens) -> Datastore:
@@ -273,3 +281,22 @@ def test_repeats_are_stored_once_keeping_a_greedy_label():
     other = {"prompt_ids": [1], "response_ids": [2, 4], "temperature": 0.7}
     kept, repeats = _distinct([sampled, other, greedy, dict(other)])
     assert repeats == 2 and kept == [greedy, other]
+
+
+def test_each_chain_of_a_two_chain_step_is_judged_in_its_own_class():
+    """After a step that offered both chains, each one's outcome is counted in its own class: the
+    context's (n = 2) got its first two tokens right, the datastore's missed its first."""
+    from bastion_jax.lookup import advance
+
+    cfg = LookupConfig(max_ngram=2, first=(0.3, 0.6), cont=(0.5, 0.7))
+    n_cls = 2 + NUM_CLASSES
+    state = LookupState(jnp.zeros((1, 16), jnp.int32), jnp.asarray([[[5, 6, 7], [9, 6, 7]]], jnp.int32),
+                        jnp.asarray([[2, 2 + 1 + 4]], jnp.int32), jnp.zeros((1, n_cls, 4), jnp.float32))
+    committed = jnp.asarray([[5, 6, 8]], jnp.int32)
+    store = small_store([[1, 2, 3, 4]], first=np.full(NUM_CLASSES, 0.5), cont=np.full(NUM_CLASSES, 0.5))
+    new, chain = advance(cfg, state, committed, jnp.asarray([3], jnp.int32), jnp.asarray([3], jnp.int32), store)
+    assert new.chain.shape == (1, 2, 3) and chain.tokens.shape == (1, 2, 3)
+    counts = np.asarray(new.counts[0])
+    np.testing.assert_array_equal(counts[1], [1, 1, 1, 2])  # context: c1 right, c2 right, c3 wrong
+    np.testing.assert_array_equal(counts[2 + 4], [0, 1, 0, 0])  # datastore class 4: c1 wrong
+    assert counts.sum() == 1 + 1 + 1 + 2 + 1
