@@ -13,7 +13,7 @@ from bastion_jax.lookup import (
 )
 from bastion_jax.modeling.cache import append_rows
 from bastion_jax.tree import ancestor_mask, build_tree, chain_tree, surrogate_curve
-from tests.test_tree import node_paths, random_lattice
+from tests.test_tree import assert_tree_is, node_paths, random_lattice
 
 CFG = LookupConfig(max_ngram=3, first=(0.2, 0.5, 0.7), cont=(0.6, 0.7, 0.8))
 
@@ -106,11 +106,7 @@ def test_tree_with_chain_equals_brute_force(seed):
     n = int(rng.integers(2, len(ref) + 3))
     c = Chain(jnp.asarray(chain, jnp.int32), jnp.float32(first), jnp.float32(cont))
     tree = jax.jit(build_tree, static_argnums=(2, 3))(jnp.int32(7), jnp.asarray(lp), n, top_k, None, c)
-    valid = np.asarray(tree.tokens)[1:] >= 0
-    want = ref[: n - 1]
-    assert valid.sum() == len(want)
-    assert node_paths(tree)[: len(want)] == [tuple(int(t) for t in path) for _, path in want]
-    np.testing.assert_allclose(np.asarray(tree.log_probs)[1:][valid], [s for s, _ in want], rtol=1e-5, atol=1e-5)
+    assert_tree_is(tree, ref[: n - 1])
 
 
 def test_no_chain_gives_the_drafters_tree():

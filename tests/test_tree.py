@@ -34,6 +34,14 @@ def node_paths(tree) -> list[tuple[int, ...]]:
     return out
 
 
+def assert_tree_is(tree, want: list[tuple[float, tuple[int, ...]]]) -> None:
+    """`tree`'s valid nodes are exactly the brute force's best paths `want` [(score, path)], in order."""
+    valid = np.asarray(tree.tokens)[1:] >= 0
+    assert valid.sum() == len(want)
+    assert node_paths(tree)[: len(want)] == [tuple(int(t) for t in p) for _, p in want]
+    np.testing.assert_allclose(np.asarray(tree.log_probs)[1:][valid], [s for s, _ in want], rtol=1e-5, atol=1e-5)
+
+
 def random_lattice(rng, depth, vocab):
     return np.asarray(jax.nn.log_softmax(jnp.asarray(rng.normal(size=(depth, vocab)) * 2.0), axis=-1))
 
@@ -227,11 +235,7 @@ def test_per_parent_tree_equals_brute_force(seed):
         child_law = (lambda d, p, s: (law_j[d][p], None, s))
     tree = jax.jit(lambda r, lp, i, c: build_tree(r, lp, n, top_k, i, c, child_law, n_cond))(
         jnp.int32(root), jnp.asarray(shared), None if ids is None else jnp.asarray(ids, jnp.int32), c)
-    want = ref[: n - 1]
-    valid = np.asarray(tree.tokens)[1:] >= 0
-    assert valid.sum() == len(want)
-    assert node_paths(tree)[: len(want)] == [p for _, p in want]
-    np.testing.assert_allclose(np.asarray(tree.log_probs)[1:][valid], [s for s, _ in want], rtol=1e-5, atol=1e-5)
+    assert_tree_is(tree, ref[: n - 1])
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -263,11 +267,7 @@ def test_per_parent_laws_of_the_whole_path(seed):
 
     tree = jax.jit(lambda r, lp: build_tree(r, lp, n, top_k, None, None, child_law, n_cond,
                                             jnp.array([root + 1], jnp.int32)))(jnp.int32(root), jnp.asarray(shared))
-    want = ref[: n - 1]
-    valid = np.asarray(tree.tokens)[1:] >= 0
-    assert valid.sum() == len(want)
-    assert node_paths(tree)[: len(want)] == [p for _, p in want]
-    np.testing.assert_allclose(np.asarray(tree.log_probs)[1:][valid], [s for s, _ in want], rtol=1e-5, atol=1e-5)
+    assert_tree_is(tree, ref[: n - 1])
 
 
 def test_per_parent_tree_keeps_the_last_parents_peaked_child():
