@@ -89,12 +89,8 @@ def build_tree(root: jax.Array, log_probs: jax.Array, num_nodes: int, top_k: int
         chain_tok = jnp.zeros((depth, 0), jnp.int32)  # [depth, C]
     else:
         chain_tok = chains.tokens.T.astype(jnp.int32)  # [depth, C] target ids
-        if ids is None:
-            chain_lp = jnp.take_along_axis(log_probs, jnp.clip(chain_tok, 0, vocab - 1), axis=1)
-        else:  # the chain token's column in the draft vocabulary, if it has one (else -inf below)
-            hit = ids[None, None, :] == chain_tok[:, :, None]  # [depth, C, vocab]
-            chain_lp = jnp.where(hit.any(-1), jnp.take_along_axis(log_probs, jnp.argmax(hit, -1), axis=1), neg_inf)
-        chain_lp = jnp.where(chain_tok >= 0, chain_lp.astype(jnp.float32), neg_inf)  # [depth, C]
+        col, found = _chain_columns(chain_tok, ids, vocab)  # [depth, C] each
+        chain_lp = jnp.where(found, jnp.take_along_axis(log_probs, col, axis=1).astype(jnp.float32), neg_inf)
         w = jnp.where(jnp.arange(depth)[:, None] == 0, chains.first[None], chains.cont[None])  # [depth, C]
         off_lp, top_tok, on_lp = _chain_rows(top_lp, top_tok, chain_tok, w, chain_lp)  # on_lp [depth, S, k + C]
         k = k + n_ch
@@ -237,11 +233,7 @@ def _conditioned_depths(child_law: ChildLaw, carry, states: jax.Array, n_cond: i
         if not n_ch:
             on_rows = off_rows = lp
         else:
-            if ids_c is None:
-                hit_col, found = jnp.clip(chain_d, 0, law.shape[1] - 1), chain_d >= 0
-            else:
-                hit = ids_c[None, :] == chain_d[:, None]  # [C, cols]
-                hit_col, found = jnp.argmax(hit, axis=1), hit.any(axis=1) & (chain_d >= 0)
+            hit_col, found = _chain_columns(chain_d, ids_c, law.shape[1])  # [C] each
             chain_lp = jnp.where(found[None, :], law[:, hit_col], neg_inf)  # [m, C]
             off_rows, tok, on_rows = _chain_rows(lp, tok, jnp.broadcast_to(chain_d, (m, n_ch)),
                                                  jnp.broadcast_to(chains.cont, (m, n_ch)), chain_lp)
@@ -251,6 +243,16 @@ def _conditioned_depths(child_law: ChildLaw, carry, states: jax.Array, n_cond: i
 
     (s, on, tok, _), level = jax.lax.scan(body, carry + (states,), jnp.arange(1, n_cond))
     return (s, on, tok), level
+
+
+def _chain_columns(tokens: jax.Array, ids: jax.Array | None, width: int) -> tuple[jax.Array, jax.Array]:
+    """(column, found), each shaped like `tokens` (target ids, -1: none): the column of a law over
+    `width` columns holding each token (`ids` [width] the columns' ids; None: the column is the id),
+    and whether there is one (a reduced vocabulary may lack the token)."""
+    if ids is None:
+        return jnp.clip(tokens, 0, width - 1), tokens >= 0
+    hit = ids == tokens[..., None]  # [..., width]
+    return jnp.argmax(hit, axis=-1), hit.any(axis=-1) & (tokens >= 0)
 
 
 def as_chains(chain: Chain | None) -> Chain | None:
