@@ -64,12 +64,12 @@ def root_tree(root: jax.Array, like: Tree) -> Tree:
 
 
 def held_tree(root: jax.Array, like: Tree, chain: Optional[Chain]) -> Tree:
-    """The tree a step that did not draft leaves, shaped like `like`: the root and the lookup chain as
-    one path (`tree.chain_tree`, the one of two that promises more; a later tree step may verify it
-    without drafting), or the root alone when lookup is off."""
+    """The tree a step that did not draft leaves, shaped like `like`: the root and the lookup chain
+    [b, depth] as one path (`tree.chain_tree`; a later tree step may verify it without drafting), or
+    the root alone when lookup is off."""
     if chain is None:
         return root_tree(root, like)
-    return jax.vmap(chain_tree, in_axes=(0, 0, None))(root, primary(chain), like.tokens.shape[1])
+    return jax.vmap(chain_tree, in_axes=(0, 0, None))(root, chain, like.tokens.shape[1])
 
 
 def _next_tree(cfg: StepConfig, target, drafter, drafter_cache, features, ctx_start, ctx_len, root, draft_vocab=None,
@@ -133,12 +133,13 @@ def _then(cfg: StepConfig, then: int, target, drafter, state: TreeState, pending
     the buffer without drafting. Returns (drafter cache, next tree, curve [b, n_buckets], pending_len):
     the curve of the drafted tree, or for HOLD / FLUSH the lookup chain's alone (zeros without lookup),
     a hint for the draft gate."""
-    if chain is not None:  # a step that does not draft reports the lookup chain's own curve
-        no_curve = jax.vmap(chain_curve, in_axes=(0, None))(primary(chain), cfg.buckets)  # [b, n_buckets]
+    held = primary(chain)  # of two chains, the one that promises more: what a step that does not draft holds
+    if held is not None:  # a step that does not draft reports the lookup chain's own curve
+        no_curve = jax.vmap(chain_curve, in_axes=(0, None))(held, cfg.buckets)  # [b, n_buckets]
     else:
         no_curve = jnp.zeros((root.shape[0], len(cfg.buckets)), jnp.float32)
     if then == HOLD:
-        return state.drafter_cache, held_tree(root, state.tree, chain), no_curve, pending_len
+        return state.drafter_cache, held_tree(root, state.tree, held), no_curve, pending_len
     if then == DRAFT:
         tree, curve, dcache = _next_tree(cfg, target, drafter, state.drafter_cache, pending, ctx_start, pending_len,
                                          root, draft_vocab, active, chain)
@@ -148,7 +149,7 @@ def _then(cfg: StepConfig, then: int, target, drafter, state: TreeState, pending
     dcache = state.drafter_cache
     if drafter is not None:
         dcache = drafter.inject(pending, ctx_start, pending_len, dcache, target.embed_tokens.weight.dtype, active)
-    return dcache, held_tree(root, state.tree, chain), no_curve, jnp.zeros_like(pending_len)
+    return dcache, held_tree(root, state.tree, held), no_curve, jnp.zeros_like(pending_len)
 
 
 def _verify(cfg: StepConfig, target, state: TreeState, active: jax.Array, key: jax.Array, bucket: int):
