@@ -100,3 +100,29 @@ def test_what_every_step_repeats_is_traced_once(converted, monkeypatch):
     assert len(steps) + len(roots) + len(chains) >= 6  # 3 steps draft, all 6 look up a chain
     # The drafter: once for the prefill (nothing cached yet: other arguments) and once for the steps.
     assert traces == {"drafter": 2, "tree": 1, "chain": 1}
+
+
+def test_parameters_are_one_pytree_node_holding_the_same_leaves(converted):
+    """`FlatParams` is the nested dict the steps read (`nnx.merge` builds the model from it), handed
+    to JAX as one node over the leaves listed once: the same leaves in the same order as the dict,
+    the same model after a round trip through a compiled call, and no change in place."""
+    from flax import nnx
+
+    from bastion_jax.executables import FlatParams
+
+    _, target = converted("llama3")
+    exe = _executables(target)
+    plain = nnx.to_pure_dict(target.state)
+    params = exe.target_params
+    assert isinstance(params, FlatParams) and params == plain
+    assert jax.tree.structure(params).num_nodes == len(jax.tree.leaves(plain)) + 1
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(plain), strict=True):
+        assert a is b
+
+    def norm_weight(p):
+        return nnx.merge(target.graphdef, p).norm.weight[...] * 2
+
+    doubled = jax.jit(norm_weight)(params)
+    np.testing.assert_array_equal(doubled, 2 * plain["norm"]["weight"])
+    with pytest.raises(TypeError, match="snapshot"):
+        params["norm"] = {}
