@@ -38,8 +38,9 @@ class FlatParams(dict):
     Why: a compiled call flattens its arguments every time, and a nested dict costs a sort of each
     level's keys and a visit of every node. At SmolLM2's 272 target leaves that was ~0.6 ms of a
     call after a step had streamed the weights through the CPU's caches, against ~0.4 ms as one
-    node (a no-op executable with those arguments, 2-core EPYC, 2026-12-06): a few % of a CPU step, where the
-    host's turn is the device's idle time. A snapshot: it refuses to be changed in place."""
+    node (a no-op executable with those arguments, 2-core EPYC, 2026-12-06): a few % of a CPU
+    step, where the host's turn is the device's idle time. A snapshot: it refuses to be changed in
+    place (its leaves are listed once), and copies and pickles rebuild it from its items."""
 
     def __init__(self, tree: dict):
         super().__init__(tree)
@@ -49,7 +50,10 @@ class FlatParams(dict):
     def _frozen(self, *args, **kwargs):
         raise TypeError("FlatParams is a snapshot of a model's parameters: build a new one instead")
 
-    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _frozen
+    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _frozen
+
+    def __reduce__(self):
+        return FlatParams, (dict(self),)
 
 
 jax.tree_util.register_pytree_node(FlatParams, lambda p: p._flat,

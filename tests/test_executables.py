@@ -4,6 +4,7 @@ meanwhile; calls wait for it, `ready()` waits for all, and a failed compile says
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import jax
@@ -124,5 +125,8 @@ def test_parameters_are_one_pytree_node_holding_the_same_leaves(converted):
 
     doubled = jax.jit(norm_weight)(params)
     np.testing.assert_array_equal(doubled, 2 * plain["norm"]["weight"])
-    with pytest.raises(TypeError, match="snapshot"):
-        params["norm"] = {}
+    for change in (lambda: params.__setitem__("norm", {}), lambda: params.update(norm={}), lambda: params.pop("norm")):
+        with pytest.raises(TypeError, match="snapshot"):
+            change()
+    again = copy.deepcopy(params)
+    assert isinstance(again, FlatParams) and jax.tree.structure(again) == jax.tree.structure(params)
