@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18 p19 c20 c21 m22 c23 k24 m25; do
+for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18 p19 c20 c21 m22 c23 k24 m25 c26; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
@@ -105,3 +105,5 @@ python -m bastion_jax.train_drafter pack --data runs/data/k24.jsonl --out $here/
 python -m bastion_jax.train_drafter data --out runs/data/m25.jsonl --num 1500 --seed 25 --sources --stdlib 0 \
   --docstrings 600 --magpie 900 --magpie-openers math --max-new-tokens 256 --batch-size 48 --temperature 0
 python -m bastion_jax.train_drafter pack --data runs/data/m25.jsonl --out $here/m25.npz --vocab-size 49152
+# One more greedy opener-seeded chat set (2026-12-06, the end of a CPU-only session), as c23.
+greedy_chat 26
