@@ -10,6 +10,7 @@ engine, the profiler and the benchmarks all get their steps here.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from bastion_jax import decoding, speculative, tree_decoding
@@ -33,19 +35,24 @@ from bastion_jax.tree_decoding import DRAFT, FLUSH, HOLD
 
 class FlatParams(dict):
     """A model's parameters as the plain nested dict the steps take (`nnx.merge` reads it), which JAX
-    flattens in one step: the leaves are listed once, here, and handed over as a tuple.
+    flattens in one step: the leaves are listed once, here, and handed over as a tuple, with the
+    rank <= 1 leaves (norm scales, biases) packed into one vector per dtype that the step slices
+    apart (static slices, fused into their consumers).
 
-    Why: a compiled call flattens its arguments every time, and a nested dict costs a sort of each
-    level's keys and a visit of every node. At SmolLM2's 272 target leaves that was ~0.6 ms of a
-    call after a step had streamed the weights through the CPU's caches, against ~0.4 ms as one
-    node (a no-op executable with those arguments, 2-core EPYC, 2026-12-06): a few % of a CPU
-    step, where the host's turn is the device's idle time. A snapshot: it refuses to be changed in
-    place (its leaves are listed once), and copies and pickles rebuild it from its items."""
+    Why: every argument of a compiled call costs the host a few us (its signature, layout and
+    buffer hold; more once a step has streamed the weights through the CPU's caches), and the host's
+    turn is the device's idle time between bastion's tree steps. A nested dict also cost a sort of
+    each level's keys per call: at SmolLM2's 272 target leaves ~0.6 ms as dicts, ~0.4 ms as one
+    node (a no-op executable with those arguments, 2-core EPYC, 2026-12-06). Packing its 61 norm
+    scales (and the drafter's 11 small leaves) takes a bucket-4 tree step from ~300 arguments to
+    ~230 and its host CPU time from 1.51-1.60 to 1.31-1.47 ms (three alternations, same day).
+    Matrices stay separate: XLA:CPU copies a slice of a stacked matrix before its product.
+    A snapshot: it refuses to be changed in place (its leaves are listed once), and copies and
+    pickles rebuild it from its items."""
 
-    def __init__(self, tree: dict):
+    def __init__(self, tree: dict, _flat: tuple | None = None):
         super().__init__(tree)
-        leaves, treedef = jax.tree.flatten(dict(tree))
-        self._flat = (tuple(leaves), treedef)
+        self._flat = _flat if _flat is not None else _pack(*jax.tree.flatten(dict(tree)))
 
     def _frozen(self, *args, **kwargs):
         raise TypeError("FlatParams is a snapshot of a model's parameters: build a new one instead")
@@ -56,8 +63,48 @@ class FlatParams(dict):
         return FlatParams, (dict(self),)
 
 
-jax.tree_util.register_pytree_node(FlatParams, lambda p: p._flat,
-                                   lambda treedef, leaves: FlatParams(jax.tree.unflatten(treedef, leaves)))
+def _pack(leaves: list, treedef) -> tuple[tuple, tuple]:
+    """(children, aux) of a `FlatParams`: the matrices in tree order, then one vector per dtype
+    holding the rank <= 1 leaves end to end; aux = (treedef, groups), a group = (dtype, ((leaf
+    index, offset, shape), ...))."""
+    small: dict[np.dtype, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if leaf.ndim <= 1:
+            small.setdefault(np.dtype(leaf.dtype), []).append(i)
+    packed = {i for idx in small.values() for i in idx}
+    children = [leaf for i, leaf in enumerate(leaves) if i not in packed]
+    groups = []
+    for dtype, idx in small.items():
+        offsets = np.cumsum([0] + [int(leaves[i].size) for i in idx])
+        groups.append((dtype, tuple((i, int(at), tuple(leaves[i].shape)) for i, at in zip(idx, offsets))))
+        children.append(jnp.concatenate([jnp.ravel(leaves[i]) for i in idx]))  # [sum of sizes]
+    return tuple(children), (treedef, tuple(groups))
+
+
+def _unpack(aux: tuple, children: tuple) -> FlatParams:
+    """The `FlatParams` of `children`: arrays and tracers (inside a step) slice the packed vectors
+    apart; a placeholder JAX puts in their stead (an abstract value, a sharding) stands for each of
+    the leaves it packs."""
+    treedef, groups = aux
+    n_matrices = len(children) - len(groups)
+    leaves: list = [None] * treedef.num_leaves
+    small = {i for _, offsets in groups for i, _, _ in offsets}
+    matrices = iter(children[:n_matrices])
+    for i in range(treedef.num_leaves):
+        if i not in small:
+            leaves[i] = next(matrices)
+    for (dtype, offsets), packed in zip(groups, children[n_matrices:]):
+        for i, at, shape in offsets:
+            if isinstance(packed, (jax.Array, np.ndarray, jax.core.Tracer)):
+                leaves[i] = packed[at:at + math.prod(shape)].reshape(shape)
+            elif isinstance(packed, jax.ShapeDtypeStruct):
+                leaves[i] = jax.ShapeDtypeStruct(shape, packed.dtype)
+            else:
+                leaves[i] = packed
+    return FlatParams(jax.tree.unflatten(treedef, leaves), (tuple(children), aux))
+
+
+jax.tree_util.register_pytree_node(FlatParams, lambda p: p._flat, _unpack)
 
 
 class Bound:

@@ -105,8 +105,9 @@ def test_what_every_step_repeats_is_traced_once(converted, monkeypatch):
 
 def test_parameters_are_one_pytree_node_holding_the_same_leaves(converted):
     """`FlatParams` is the nested dict the steps read (`nnx.merge` builds the model from it), handed
-    to JAX as one node over the leaves listed once: the same leaves in the same order as the dict,
-    the same model after a round trip through a compiled call, and no change in place."""
+    to JAX as one node over the matrices, in the dict's order, and one packed vector per dtype of
+    the rank <= 1 leaves: the same values after a round trip through a compiled call (every leaf,
+    the packed ones sliced back apart), abstract values of the right shapes, and no change in place."""
     from flax import nnx
 
     from bastion_jax.executables import FlatParams
@@ -116,15 +117,24 @@ def test_parameters_are_one_pytree_node_holding_the_same_leaves(converted):
     plain = nnx.to_pure_dict(target.state)
     params = exe.target_params
     assert isinstance(params, FlatParams) and params == plain
-    assert jax.tree.structure(params).num_nodes == len(jax.tree.leaves(plain)) + 1
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(plain), strict=True):
+    leaves, flat = jax.tree.leaves(params), jax.tree.leaves(plain)
+    matrices = [x for x in flat if x.ndim > 1]
+    small = [x for x in flat if x.ndim <= 1]
+    assert small and jax.tree.structure(params).num_nodes == len(matrices) + 1 + 1  # one dtype: one vector
+    for a, b in zip(leaves[:-1], matrices, strict=True):
         assert a is b
+    np.testing.assert_array_equal(leaves[-1], np.concatenate([np.ravel(x) for x in small]))
+
+    doubled = jax.jit(lambda p: jax.tree.map(lambda x: 2 * x, dict(p)))(params)  # every leaf, sliced apart inside
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(doubled), flat, strict=True):
+        np.testing.assert_array_equal(a, 2 * b, err_msg=jax.tree_util.keystr(path))
 
     def norm_weight(p):
         return nnx.merge(target.graphdef, p).norm.weight[...] * 2
 
-    doubled = jax.jit(norm_weight)(params)
-    np.testing.assert_array_equal(doubled, 2 * plain["norm"]["weight"])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    assert jax.tree.map(lambda x: x.shape, dict(abstract)) == jax.tree.map(lambda x: x.shape, plain)
+    np.testing.assert_array_equal(jax.jit(norm_weight).lower(abstract).compile()(params), 2 * plain["norm"]["weight"])
     for change in (lambda: params.__setitem__("norm", {}), lambda: params.update(norm={}), lambda: params.pop("norm")):
         with pytest.raises(TypeError, match="snapshot"):
             change()
