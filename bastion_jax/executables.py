@@ -45,7 +45,9 @@ class FlatParams(dict):
     each level's keys per call: at SmolLM2's 272 target leaves ~0.6 ms as dicts, ~0.4 ms as one
     node (a no-op executable with those arguments, 2-core EPYC, 2026-12-06). Packing its 61 norm
     scales (and the drafter's 11 small leaves) takes a bucket-4 tree step from ~300 arguments to
-    ~230 and its host CPU time from 1.51-1.60 to 1.31-1.47 ms (three alternations, same day).
+    ~230, and the host's median CPU time per loop iteration from 1.37 / 1.46 / 1.82 ms to 1.34 /
+    1.43 / 1.44 ms (three alternations, the packed run second each time, while the machine slowed:
+    `benchmarks/results/cpu-smollm2-host-pack-2026-12-06.md`): small, but on every step.
     Matrices stay separate: XLA:CPU copies a slice of a stacked matrix before its product.
     A snapshot: it refuses to be changed in place (its leaves are listed once), and copies and
     pickles rebuild it from its items."""
