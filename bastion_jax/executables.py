@@ -39,7 +39,7 @@ class FlatParams(dict):
     rank <= 1 leaves (norm scales, biases) packed into one vector per dtype that the step slices
     apart (static slices, fused into their consumers).
 
-    Why: every argument of a compiled call costs the host a few us (its signature, layout and
+    Why: every argument of a compiled call costs the host some CPU time (its signature, layout and
     buffer hold; more once a step has streamed the weights through the CPU's caches), and the host's
     turn is the device's idle time between bastion's tree steps. A nested dict also cost a sort of
     each level's keys per call: at SmolLM2's 272 target leaves ~0.6 ms as dicts, ~0.4 ms as one
@@ -95,7 +95,7 @@ def _unpack(aux: tuple, children: tuple) -> FlatParams:
     for i in range(treedef.num_leaves):
         if i not in small:
             leaves[i] = next(matrices)
-    for (dtype, offsets), packed in zip(groups, children[n_matrices:]):
+    for (_, offsets), packed in zip(groups, children[n_matrices:]):
         for i, at, shape in offsets:
             if isinstance(packed, (jax.Array, np.ndarray, jax.core.Tracer)):
                 leaves[i] = packed[at:at + math.prod(shape)].reshape(shape)
