@@ -97,7 +97,7 @@ def _unpack(aux: tuple, children: tuple) -> FlatParams:
             leaves[i] = next(matrices)
     for (_, offsets), packed in zip(groups, children[n_matrices:]):
         for i, at, shape in offsets:
-            if isinstance(packed, (jax.Array, np.ndarray, jax.core.Tracer)):
+            if isinstance(packed, (jax.Array, np.ndarray)):  # (tracers are jax.Arrays)
                 leaves[i] = packed[at:at + math.prod(shape)].reshape(shape)
             elif isinstance(packed, jax.ShapeDtypeStruct):
                 leaves[i] = jax.ShapeDtypeStruct(shape, packed.dtype)
