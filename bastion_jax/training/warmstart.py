@@ -104,7 +104,7 @@ def widen_taps(drafter: LoadedDrafter, num_taps: int) -> LoadedDrafter:
     exactly as the given one until training moves them.
 
     Why: the shipped drafter reads 3 of SmolLM2's 30 layers; more depth and more data stopped paying
-    at that size (`docs/architecture.md`, drafter training), and what it reads of the target is the
+    at that size (`docs/internals.md`, drafter training), and what it reads of the target is the
     other input a drafter has."""
     cfg = drafter.config
     have = tuple(cfg.target_layer_ids)
