@@ -18,6 +18,20 @@ from bastion_jax.latency import LatencyModel
 from bastion_jax.paper_rule import S_MIN, interpolated, paper_buckets, paper_tree_size
 
 DEFAULT_BUCKETS = (1, 4, 8, 16, 32, 64)
+# On CPU a verify of 32 or 64 nodes costs several AR steps and bastion chose one in 13 of ~35,000
+# steps of the committed suite runs, while every draft still built a tree of the largest bucket's
+# nodes: capped at 16 a draft costs ~1.3 ms (13-15%) less and bastion ran 1.28-1.29x AR against
+# 1.25-1.27x, with two tree steps fewer to compile and calibrate
+# (benchmarks/results/cpu-smollm2-buckets16-ab-2026-12-06.md).
+CPU_BUCKETS = (1, 4, 8, 16)
+
+
+def default_buckets() -> tuple[int, ...]:
+    """The tree sizes compiled when none are given: `CPU_BUCKETS` on CPU, `DEFAULT_BUCKETS` elsewhere.
+    The tree a step drafts holds the largest bucket's nodes, so the largest bucket prices every draft."""
+    import jax
+
+    return CPU_BUCKETS if jax.default_backend() == "cpu" else DEFAULT_BUCKETS
 
 
 class PolicyError(ValueError):

@@ -23,7 +23,7 @@ import numpy as np
 
 from bastion_jax import compile_counter, tree_decoding, warmup
 from bastion_jax.checkpoints import LoadedDrafter, Target
-from bastion_jax.controller import DEFAULT_BUCKETS, Controller, Policy, PolicyError
+from bastion_jax.controller import Controller, Policy, PolicyError, default_buckets
 from bastion_jax.draft_gate import DraftGate
 from bastion_jax.executables import Executables
 from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims
@@ -88,13 +88,14 @@ class Engine:
     ranking, top 8192, when it has one), "full" or None (every token), N (top N), or a `DraftVocab`.
     `datastore` offers the lookup a second chain, from text the target wrote before (`datastore.py`):
     "auto" (the default: the drafter's `datastore.npz`, when it ships one and lookup is on), a
-    file, a loaded `Datastore`, or None / "off".
+    file, a loaded `Datastore`, or None / "off". `buckets`: the tree sizes compiled (None:
+    `controller.default_buckets()`, capped at 16 nodes on CPU).
     """
 
     def __init__(self, target: Target, tokenizer=None, *, drafter: LoadedDrafter | None = None,
                  stop_ids: Sequence[int] | None = None, proposal: Callable | None = None,
                  block_size: int | None = None, mask_token_id: int = 0,
-                 buckets: Sequence[int] = DEFAULT_BUCKETS, top_k: int = 128,
+                 buckets: Sequence[int] | None = None, top_k: int = 128,
                  latency: LatencyModel | None = None, draft_vocab: DraftVocab | str | int | None = "auto",
                  lookup: LookupConfig | None = LookupConfig(), datastore: Datastore | str | None = "auto",
                  cond_depths: int | None = None, cond_candidates: int | None = None):
@@ -113,7 +114,7 @@ class Engine:
 
             stop_ids = _stop_ids(tokenizer, target.config.eos_token_ids)
         self.stop_ids = frozenset(int(s) for s in stop_ids)
-        self.buckets = tuple(sorted(set(int(b) for b in buckets)))
+        self.buckets = tuple(sorted(set(int(b) for b in (default_buckets() if buckets is None else buckets))))
         limit = target.config.max_position_embeddings
         if self.buckets and self.buckets[-1] > limit:  # its tree's slots alone would outgrow any cache
             raise GenerationError(f"bucket {self.buckets[-1]} exceeds the model's context of {limit} positions "

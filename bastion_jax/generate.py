@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "bastion-paper (the official BASTION size rule, for comparison). Default: bastion with a drafter, "
                    "else ar")
     p.add_argument("--buckets", help="comma-separated tree sizes (root included) compiled at warm-up "
-                   "(default 1,4,8,16,32,64; fixed:N adds N)")
+                   "(default 1,4,8,16,32,64, on CPU 1,4,8,16; fixed:N adds N, bastion-paper compiles 1,4,8,16,32,64)")
     p.add_argument("--draft-vocab", default="auto", help="drafter LM head restricted to the N most frequent "
                    "target tokens (FR-Spec; the ranking ships beside the drafter as vocab_ranking.npy): auto (8192 "
                    "when the drafter has a ranking), full, or N. Output is unchanged: verification uses every token")
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     use_compilation_cache()
 
     from bastion_jax.checkpoints import CheckpointError
-    from bastion_jax.controller import DEFAULT_BUCKETS, Policy, parse_buckets
+    from bastion_jax.controller import DEFAULT_BUCKETS, Policy, default_buckets, parse_buckets
     from bastion_jax.default_model import DefaultModelError
     from bastion_jax.engine import Engine, GenerationError, prefill_bucket
     from bastion_jax.sampling import SamplingConfig
@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         policy = policy or Policy.parse(mode)
         if policy.kind != "ar" and drafter is None:
             raise ValueError(f"--mode {mode} needs --drafter DIR (or --drafter random)")
-        buckets = parse_buckets(args.buckets) if args.buckets else DEFAULT_BUCKETS
+        # (bastion-paper's sizes come in steps of 32: it compiles the full default set everywhere)
+        buckets = (parse_buckets(args.buckets) if args.buckets
+                   else DEFAULT_BUCKETS if policy.kind == "bastion-paper" else default_buckets())
         if policy.kind == "fixed" and not args.buckets:
             buckets = tuple(sorted(set(buckets) | {policy.size}))
         if asks_for_draft_vocab(args.draft_vocab) and (drafter is None or policy.kind == "ar"):

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, check_cond_head, fail, positive_int,
                              resolve_cond_head, resolve_lookup, stderr_log)
-from bastion_jax.controller import DEFAULT_BUCKETS, PolicyError, parse_buckets
+from bastion_jax.controller import PolicyError, default_buckets, parse_buckets
 from bastion_jax.profile_report import device_meta, markdown, write_outputs
 from bastion_jax.profiler import run_profile
 
@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_layout_flag(p)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: --target's own dtype (as `generate`); --arch: bfloat16 on GPU/TPU, float32 on CPU")
-    p.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)),
-                   help="tree sizes to time (default: the engine's, so the calibration fits `generate`)")
+    p.add_argument("--buckets", help="tree sizes to time (default: the engine's, 1,4,8,16,32,64 or on CPU 1,4,8,16, "
+                   "so the calibration fits `generate`)")
     p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)),
                    help="committed context lengths (default 128,512,2048)")
     p.add_argument("--max-len", type=int, help="KV cache length (default: longest context + slack, rounded to 256)")
@@ -162,7 +162,7 @@ def setup(args, log=lambda msg: None) -> Setup:
     if args.tree_top_k < 1:
         raise ProfileError(f"--tree-top-k must be >= 1, got {args.tree_top_k}")
     try:
-        buckets = parse_buckets(args.buckets)
+        buckets = parse_buckets(args.buckets) if args.buckets else default_buckets()
     except PolicyError as e:
         raise ProfileError(str(e)) from None
     contexts = parse_contexts(args.contexts)

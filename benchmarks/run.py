@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1, help="prompts per request (consecutive prompts of the list, "
                    "whose number must be a multiple of it): the tokens/s of a batch, which ends with its last row; "
                    "bastion is calibrated at this size (default 1)")
-    p.add_argument("--buckets", default="1,4,8,16,32,64")
-    p.add_argument("--fixed", default="4,16,64", help="fixed:N sweep sizes (must be buckets)")
+    p.add_argument("--buckets", help="tree sizes compiled (default: the engine's, 1,4,8,16,32,64 or on CPU 1,4,8,16: "
+                   "the largest prices every draft, so the fixed sweep never adds one)")
+    p.add_argument("--fixed", help="fixed:N sweep sizes, which must be buckets (default: those of 4,16,64 that are)")
     p.add_argument("--draft-vocab", default="auto", help="drafter LM head over the N most frequent tokens: auto, "
                    "full or N (see python -m bastion_jax.generate --help)")
     add_lookup_flag(p)
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from bastion_jax.checkpoints import load_drafter, load_target, random_drafter
-    from bastion_jax.controller import parse_buckets
+    from bastion_jax.controller import default_buckets, parse_buckets
     from bastion_jax.default_model import default_target_dir
     from bastion_jax.engine import Engine
     from bastion_jax.cli import resolve_dtype, resolve_lookup
@@ -131,13 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         check_cond_head(args.cond_head, drafter)
     except ValueError as e:
         p.error(str(e))
-    buckets = parse_buckets(args.buckets)
+    buckets = parse_buckets(args.buckets) if args.buckets else default_buckets()
 
     engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
                     draft_vocab=args.draft_vocab,
                     lookup=resolve_lookup(args.lookup), datastore=args.datastore,
                     cond_depths=args.cond_depths, cond_candidates=args.cond_candidates)
-    modes = ["ar", "dflash"] + [f"fixed:{n}" for n in parse_buckets(args.fixed)] + ["bastion"]
+    sweep = parse_buckets(args.fixed) if args.fixed else tuple(n for n in (4, 16, 64) if n in buckets)
+    modes = ["ar", "dflash"] + [f"fixed:{n}" for n in sweep] + ["bastion"]
     if max(buckets) >= 32:
         modes.append("bastion-paper")
     if args.modes:
