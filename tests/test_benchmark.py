@@ -118,3 +118,18 @@ def test_harness_times_batches(tmp_path, capsys):
     assert "batches of 2 prompts" in (tmp_path / "out" / "b2.md").read_text()
     with pytest.raises(SystemExit, match="--batch 3 needs a multiple of 3 prompts, got 2"):
         run.main(common + ["--batch", "3", "--name", "b3"])
+
+
+def test_a_fixed_size_that_is_no_bucket_is_refused_in_one_line(tmp_path, capsys):
+    """The fixed sweep never widens bastion's trees behind the user's back: the largest bucket prices
+    every draft, so a sweep size outside the buckets is an error naming what to add."""
+    import pytest
+
+    save_tiny_hf("qwen3", tmp_path / "hf", seed=4)
+    convert(tmp_path / "hf", tmp_path / "ckpt", dtype="float32")
+    with pytest.raises(SystemExit) as e:
+        run.main(["--target", str(tmp_path / "ckpt"), "--block-size", "4", "--buckets", "1,4,8", "--fixed", "4,16",
+                  "--out-dir", str(tmp_path / "out"), "--dtype", "float32"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--fixed 4,16 needs buckets 16" in err and "now 1,4,8" in err
