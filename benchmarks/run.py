@@ -139,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                     lookup=resolve_lookup(args.lookup), datastore=args.datastore,
                     cond_depths=args.cond_depths, cond_candidates=args.cond_candidates)
     sweep = parse_buckets(args.fixed) if args.fixed else tuple(n for n in (4, 16, 64) if n in buckets)
-    if set(sweep) - set(buckets):
-        p.error(f"--fixed {','.join(map(str, sweep))} needs buckets {','.join(map(str, sorted(set(sweep) - set(buckets))))}: "
+    missing = sorted(set(sweep) - set(buckets))
+    if missing:
+        p.error(f"--fixed {','.join(map(str, sweep))} needs buckets {','.join(map(str, missing))}: "
                 f"add them to --buckets (now {','.join(map(str, buckets))}; bastion's trees then hold the largest)")
     modes = ["ar", "dflash"] + [f"fixed:{n}" for n in sweep] + ["bastion"]
     if max(buckets) >= 32:
