@@ -18,6 +18,33 @@ class ConfigError(ValueError):
     """A config.json that does not describe a model we can run."""
 
 
+def check_full_attention(hf: dict[str, Any], n_layers: int, model: str = "target",
+                         why: str = "every layer here attends to the whole context") -> None:
+    """Refuse a config with a sliding-window layer, resolving `layer_types` as Qwen3Config does:
+    `sliding_window` counts only when `use_sliding_window` (default false), and absent `layer_types`
+    become sliding for layer index >= `max_window_layers` (default 28) when a window is set. Our
+    attention is full over the context, so a sliding layer would silently see keys the model never
+    saw; `why` says so in the error (`model`: "target" or "drafter")."""
+    use_sliding = hf.get("use_sliding_window", False)
+    window = hf.get("sliding_window", 4096) if use_sliding else None
+    types = hf.get("layer_types")
+    if types is None:
+        first = int(hf.get("max_window_layers", 28))
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                 for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise ConfigError(f"{model} config.json field layer_types must list one type per layer "
+                          f"({n_layers}), got {types!r}")
+    for i, kind in enumerate(types):
+        if kind == "sliding_attention":
+            raise ConfigError(
+                f"{model} layer {i} is sliding_attention (layer_types; use_sliding_window={use_sliding}, "
+                f"sliding_window={hf.get('sliding_window')}): sliding-window {model} layers are not supported "
+                f"({why})")
+        if kind != "full_attention":
+            raise ConfigError(f"unsupported {model} layer type layer_types[{i}]={kind!r} (only full_attention)")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters; `rope_type` is "default" or "llama3" (HF names)."""
@@ -161,6 +188,7 @@ class TargetConfig:
                 raise ConfigError(f"config.json field {name} must be positive, got {getattr(cfg, name)}")
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
+        check_full_attention(hf, cfg.num_hidden_layers)
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "

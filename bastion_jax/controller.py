@@ -108,7 +108,7 @@ class Controller:
             try:
                 self.paper_buckets = paper_buckets(max(buckets))
             except ValueError as e:
-                raise PolicyError(f"{e}; add one with --buckets") from None
+                raise PolicyError(f"{e}; add one (--buckets, or Engine(buckets=...))") from None
         self.policy = policy
         self.buckets = buckets
         self.latency = latency

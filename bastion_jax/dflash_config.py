@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import Any
 
-from bastion_jax.config import ConfigError, RopeConfig, TargetConfig
+from bastion_jax.config import ConfigError, RopeConfig, TargetConfig, check_full_attention
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -46,7 +46,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 #   llama3, other rope types refused), attention_bias (q/k/v/o_proj biases, as Qwen3 attention),
 #   hidden_act (DRAFTER_ACTIVATIONS; any other name refused), target_hidden_size (our own field),
 #   block_size / target_layer_ids / mask_token_id / num_target_layers (`_dflash_field`),
-#   layer_types / use_sliding_window / sliding_window / max_window_layers (`_check_full_attention`:
+#   layer_types / use_sliding_window / sliding_window / max_window_layers (`config.check_full_attention`:
 #   every layer must resolve to full attention; a sliding_attention layer is refused, see there).
 # refused when they would change the math: is_causal true (z-lab's drafter is never causal; SGLang
 #   honours the field), any dflash_config key outside _DFLASH_KEYS (DFlash's own namespace: an unknown
@@ -63,6 +63,12 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 #   key (Qwen3Config keeps unknown keys as attributes that DFlashDraftModel never reads).
 DRAFTER_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 _DFLASH_KEYS = ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers", "mask_token", "is_causal")
+# Why a sliding drafter layer is refused: z-lab's `Qwen3DFlashAttention` passes the window to the
+# attention kernel with no mask: under flash-attention it becomes a symmetric band |i - j| <
+# sliding_window over [context | block], while under SDPA/eager (z-lab's documented fallback) it is
+# ignored; SGLang's DFlash model makes sliding layers causal by default; SpecForge's training masks
+# anchor the window differently again. With no agreed meaning, it is refused rather than guessed.
+DRAFTER_SLIDING_WHY = "DFlash implementations disagree on which keys they see"
 
 
 def _dflash_field(hf: dict[str, Any], name: str) -> Any:
@@ -79,36 +85,6 @@ def _dflash_field(hf: dict[str, Any], name: str) -> Any:
         raise ConfigError(f"drafter config.json sets {name}={outer!r} at top level but dflash_config.{name}="
                           f"{inner!r} (z-lab's model.py and SGLang would read different values); keep one")
     return inner if inner is not None else outer
-
-
-def _check_full_attention(hf: dict[str, Any], n_layers: int) -> None:
-    """Refuse a drafter with a sliding-window layer, resolving `layer_types` as Qwen3Config does.
-
-    Qwen3Config: `sliding_window` counts only when `use_sliding_window` (default false); absent
-    `layer_types` become sliding for layer index >= `max_window_layers` (default 28) when a window is
-    set. z-lab's `Qwen3DFlashAttention` passes that window to the attention kernel with no mask: under
-    flash-attention it becomes a symmetric band |i - j| < sliding_window over [context | block], while
-    under SDPA/eager (z-lab's documented fallback) it is ignored; SGLang's DFlash model makes sliding
-    layers causal by default; SpecForge's training masks anchor the window differently again. With no
-    agreed meaning, a sliding layer is refused rather than guessed."""
-    use_sliding = hf.get("use_sliding_window", False)
-    window = hf.get("sliding_window", 4096) if use_sliding else None
-    types = hf.get("layer_types")
-    if types is None:
-        first = int(hf.get("max_window_layers", 28))
-        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
-                 for i in range(n_layers)]
-    if not isinstance(types, list) or len(types) != n_layers:
-        raise ConfigError(f"drafter config.json field layer_types must list one type per layer "
-                          f"({n_layers}), got {types!r}")
-    for i, kind in enumerate(types):
-        if kind == "sliding_attention":
-            raise ConfigError(
-                f"drafter layer {i} is sliding_attention (layer_types; use_sliding_window={use_sliding}, "
-                f"sliding_window={hf.get('sliding_window')}): sliding-window drafter layers are not supported "
-                "(DFlash implementations disagree on which keys they see)")
-        if kind != "full_attention":
-            raise ConfigError(f"unsupported drafter layer type layer_types[{i}]={kind!r} (only full_attention)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +148,7 @@ class DrafterConfig:
             heads = _whole("num_attention_heads", hf["num_attention_heads"])
             hidden = _whole("hidden_size", hf["hidden_size"])
             n_layers = _whole("num_hidden_layers", hf["num_hidden_layers"])
-            _check_full_attention(hf, n_layers)
+            check_full_attention(hf, n_layers, "drafter", DRAFTER_SLIDING_WHY)
             n_target = _dflash_field(hf, "num_target_layers")
             if n_target is not None:
                 n_target = _whole("num_target_layers", n_target)

@@ -156,6 +156,9 @@ def _verify(cfg: StepConfig, target, state: TreeState, active: jax.Array, key: j
     """Verify the first `bucket` nodes of the tree and walk it. Returns (emitted [b, D + 1], accepted
     [b], bonus [b], the path's features [b, D + 1, F], the target cache with the path's K/V compacted
     to slots length..)."""
+    if bucket not in cfg.buckets:  # (static: raised at trace time) a slice past the tree would clamp silently
+        raise ValueError(f"unknown bucket {bucket}: this step was configured for buckets "
+                         f"{', '.join(map(str, cfg.buckets))}")
     tree = slice_tree(state.tree, bucket)
     length = state.length
     tokens = jnp.maximum(tree.tokens, 0)  # padding nodes (-1) embed token 0; they can never be accepted
@@ -244,6 +247,8 @@ def tree_verify(cfg: StepConfig, target_state, target_cache: KVCache, tree: Tree
     The profiler times this against the full step to split a step into verify / draft / rest.
     """
     target = nnx.merge(cfg.target_def, target_state)
+    if not 1 <= bucket <= tree.tokens.shape[-1]:
+        raise ValueError(f"bucket {bucket} is not a prefix of a tree of {tree.tokens.shape[-1]} nodes")
     tree = slice_tree(tree, bucket)
     positions = length[:, None] + tree.depths  # [b, n]
     out = target(jnp.maximum(tree.tokens, 0), positions, target_cache, length, tree.ancestors,

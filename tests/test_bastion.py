@@ -1,12 +1,15 @@
 """BASTION tree decoding: AR identity for every policy and bucket, tree-only acceptance,
 compaction, lossless sampling through trees, controller and latency model, no recompilation."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from bastion_jax import tree_decoding
 from bastion_jax.checkpoints import random_drafter
 from bastion_jax.controller import Controller, Policy, PolicyError
 from bastion_jax.engine import Engine, GenerationError
@@ -218,6 +221,20 @@ def test_fixed_policy_with_unknown_bucket_is_an_error(converted):
         engine.generate([PROMPT], max_new_tokens=4, mode="fixed:12")
     with pytest.raises(GenerationError, match="unknown mode"):
         engine.generate([PROMPT], max_new_tokens=4, mode="tree")
+
+
+def test_a_tree_step_refuses_a_bucket_it_was_not_configured_for(converted):
+    """The state holds a tree of max(buckets) nodes; a step asked for more (or for a size between the
+    buckets) is refused when traced instead of silently verifying a clamped slice."""
+    _, target = converted("qwen3")
+    engine = Engine(target, stop_ids=[-1], block_size=BLOCK, buckets=BUCKETS,
+                    proposal=lambda r, s, logits: logits)
+    cfg = engine.executables.config()
+    _, *args = engine.executables._tree_step_args(cfg, 1, 64)
+    jax.eval_shape(partial(tree_decoding.tree_step, cfg, bucket=8), *args)  # a configured bucket traces
+    for bad in (12, 32, 0):
+        with pytest.raises(ValueError, match=f"unknown bucket {bad}"):
+            jax.eval_shape(partial(tree_decoding.tree_step, cfg, bucket=bad), *args)
 
 
 def test_controller_picks_bucket_maximising_tokens_per_second():

@@ -25,6 +25,29 @@ def test_unsupported_rope_type_is_named():
         RopeConfig.from_hf(dict(rope_scaling=dict(rope_type="yarn", factor=4.0)))
 
 
+QWEN3 = dict(LLAMA, model_type="qwen3", num_hidden_layers=4)
+
+
+@pytest.mark.parametrize("fields, layer", [
+    (dict(use_sliding_window=True, sliding_window=64, max_window_layers=2), 2),  # Qwen3Config's rule
+    (dict(layer_types=["full_attention", "sliding_attention", "full_attention", "full_attention"]), 1),
+])
+def test_target_with_sliding_window_layers_is_refused(fields, layer):
+    """Our attention is full over the context: a sliding layer must not load as a full one."""
+    with pytest.raises(ConfigError, match=f"target layer {layer} is sliding_attention"):
+        TargetConfig.from_hf(dict(QWEN3, **fields))
+
+
+def test_target_sliding_fields_that_mean_full_attention_are_accepted():
+    # Qwen3's shipped configs: a window given but switched off, and every layer listed as full
+    for fields in (dict(use_sliding_window=False, sliding_window=4096, max_window_layers=2),
+                   dict(use_sliding_window=True, sliding_window=None),
+                   dict(layer_types=["full_attention"] * 4)):
+        assert TargetConfig.from_hf(dict(QWEN3, **fields)).num_hidden_layers == 4
+    with pytest.raises(ConfigError, match="one type per layer"):
+        TargetConfig.from_hf(dict(QWEN3, layer_types=["full_attention"] * 3))
+
+
 def test_default_tap_rule_matches_dflash():
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
     assert default_target_layer_ids(32, 5) == (1, 8, 15, 22, 29)

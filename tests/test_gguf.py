@@ -16,7 +16,7 @@ import torch
 import transformers
 from flax import nnx
 
-from bastion_jax.checkpoints import load_target
+from bastion_jax.checkpoints import CheckpointError, load_target
 from bastion_jax.modeling.cache import KVCache, causal_mask
 from bastion_jax.checkpoints.gguf_file import unpermute_qk
 
@@ -62,10 +62,13 @@ def _hf_state(model: transformers.LlamaForCausalLM) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy().astype(np.float32) for k, v in model.state_dict().items()}
 
 
-def _write_gguf(path, model: transformers.LlamaForCausalLM) -> None:
+def _write_gguf(path, model: transformers.LlamaForCausalLM, extra=None) -> None:
+    """`extra(writer)` adds metadata (a test of what the reader refuses)."""
     cfg = model.config
     sd = _hf_state(model)
     w = gguf.GGUFWriter(str(path), "llama")
+    if extra is not None:
+        extra(w)
     w.add_name("tiny-random-llama")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -152,3 +155,18 @@ def test_gguf_round_trip_matches_hf(tmp_path, tied):
     assert got.shape == want.shape == (t, cfg.vocab_size)
     assert np.abs(want).max() > 0.5  # logits large enough for the tolerance to mean something
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN), "yarn RoPE scaling"),
+    (lambda w: w.add_sliding_window(16), "sliding-window attention"),
+], ids=["yarn", "sliding"])
+def test_gguf_metadata_that_changes_the_math_is_refused(tmp_path, extra, needle):
+    """A YaRN or sliding-window GGUF must not load as a plain full-attention model."""
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, _tiny_hf_llama(False), extra)
+    with pytest.raises(CheckpointError, match=needle):
+        load_target(path, weights_in_out=False)
+    plain = tmp_path / "plain.gguf"  # the same file without it loads
+    _write_gguf(plain, _tiny_hf_llama(False), lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.NONE))
+    assert load_target(plain, weights_in_out=False).config.num_hidden_layers == _LAYERS

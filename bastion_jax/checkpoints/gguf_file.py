@@ -81,6 +81,15 @@ def open_gguf(path: Path) -> Source:
     if arch not in ("llama", "qwen3"):
         raise ConversionError(f"unknown architecture {arch!r} in {path} (supported: llama, qwen3)")
     tensors = {t.name: t for t in reader.tensors}
+    # Metadata that would change the math and that the GGUF path does not read is refused, not ignored.
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ConversionError(f"{path} uses {scaling} RoPE scaling ({arch}.rope.scaling.type), which the GGUF "
+                              "path does not support; convert the Hugging Face safetensors checkpoint instead")
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window:
+        raise ConversionError(f"{path} has sliding-window attention ({arch}.attention.sliding_window={window}), "
+                              "which is not supported: every layer here attends to the whole context")
     if "rope_freqs.weight" in tensors:
         raise ConversionError(
             f"{path} uses llama3 RoPE frequency factors (rope_freqs.weight), which the GGUF path "
