@@ -39,8 +39,14 @@ def load_tokenizer(target: "Target"):
 
 
 def encode_prompt(tokenizer, text: str, *, chat: bool = True, system: str | None = None) -> list[int]:
-    """Token ids for one user turn, through the chat template when the tokenizer has one."""
-    if chat and getattr(tokenizer, "chat_template", None):
+    """Token ids for one user turn, through the chat template when the tokenizer has one. A `system`
+    message only has a place in the template, so without one (or with `chat=False`) it is refused
+    rather than dropped."""
+    templated = chat and getattr(tokenizer, "chat_template", None)
+    if system and not templated:
+        raise ValueError("a system message goes into the chat template, which "
+                         + ("this tokenizer does not have" if chat else "chat=False leaves out"))
+    if templated:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": text}]
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -229,6 +229,14 @@ def test_generate_prompt_within_cache_succeeds(capsys, _tiny):
     assert out.endswith("\n")
 
 
+def test_generate_system_message_without_a_chat_template_is_refused(capsys, _tiny):
+    """The tiny tokenizer has no chat template: --system has nowhere to go, so it is refused, not dropped."""
+    rc, out, err = _generate(capsys, "--target", str(_tiny["ours"]), "--system", "be brief", "--max-len", "16",
+                             "--max-new-tokens", "2", "--quiet", "w1 w2")
+    assert rc == 2 and out == ""
+    _one_error_line(err, "system message", "chat template", "this tokenizer does not have")
+
+
 def test_generate_max_len_too_small_for_the_answer(capsys, _tiny):
     """The prompt fits but the answer does not: an error naming the numbers, not a 4-token answer."""
     prompt = " ".join(_WORDS[:12])
