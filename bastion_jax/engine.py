@@ -180,8 +180,9 @@ class Engine:
     def default_latency_model(self) -> LatencyModel:
         bpv = jnp.dtype(self.target.dtype).itemsize
         d = self.drafter
+        rows = int(self.draft_vocab.ids.shape[0]) if self.draft_vocab is not None else None
         return LatencyModel(ModelDims.of(self.target.config, bpv), DevicePeaks.detect(), self.buckets,
-                            ModelDims.of(d.config, bpv) if d else None, self.block_size or 1)
+                            ModelDims.of(d.config, bpv) if d else None, self.block_size or 1, rows)
 
     @property
     def default_mode(self) -> str:

@@ -35,11 +35,13 @@ DEVICE_PEAKS = {
 
 # Bump when the compiled steps' costs change (attention, fusion, compaction...): a calibration
 # measured on older steps would misprice the new ones, so it is part of the calibration key.
-STEPS_VERSION = 8  # 2: attention over the live context only (issue 14); 3: two-pass greedy argmax;
+STEPS_VERSION = 9  # 2: attention over the live context only (issue 14); 3: two-pass greedy argmax;
 # 4: trees read the top min(top_k, nodes - 1) tokens per depth; 5: bf16 on CPU on XLA:CPU's bf16 kernels;
 # 6: a draft projects only the new context rows it needs (4, 8, 16 or 32); 7: tree steps that hold
 # (bastion verifying a lookup chain) calibrated as variants of their own (`held`); 8: the K/V cache as
-# [layers, b, kv_heads, slots, d] and CPU prefix trips by step shape (128 slots for AR, 64 for trees and drafts)
+# [layers, b, kv_heads, slots, d] and CPU prefix trips by step shape (128 slots for AR, 64 for trees and drafts);
+# 9: the roofline counts the weights a step reads (the embedding table once, as a tied LM head; a draft's
+# head on the draft vocabulary's rows), so fits against the old roofline are stale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,24 +139,33 @@ class ModelDims:
         return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                    cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, bytes_per_value)
 
-    def flops(self, s: int, c: int, batch: int = 1) -> float:
+    def flops(self, s: int, c: int, batch: int = 1, head_rows: int | None = None) -> float:
         """FLOPs of an s-token forward over c cached tokens (projections, attention, MLP, LM head) in
-        each of `batch` rows."""
+        each of `batch` rows; the LM head scores `head_rows` rows (None: the whole vocabulary)."""
         h, hq, hkv = self.hidden, self.n_q * self.head_dim, self.n_kv * self.head_dim
+        rows = self.vocab if head_rows is None else head_rows
         per_layer = 2 * s * h * hq + 4 * s * h * hkv + 4 * s * (c + s) * hq + 2 * s * hq * h + 6 * s * h * self.ffn
-        return batch * (self.layers * per_layer + 2 * s * h * self.vocab)
+        return batch * (self.layers * per_layer + 2 * s * h * rows)
 
-    def bytes(self, s: int, c: int, batch: int = 1) -> float:
-        """Bytes moved: weights (read once for the whole batch), then per row KV read + write and
-        activations (BASTION's closed form)."""
+    def weight_values(self, head_rows: int | None = None) -> int:
+        """Weight values a forward reads: every layer's matrices and the LM head's `head_rows` rows
+        (None: all). The embedding table is not read whole: a step gathers one row per token (counted
+        with the activations), and a tied model's table is read once, as its LM head."""
+        h, hq, hkv, f = self.hidden, self.n_q * self.head_dim, self.n_kv * self.head_dim, self.ffn
+        return self.layers * (2 * h * hq + 2 * h * hkv + 3 * h * f) + h * (self.vocab if head_rows is None else head_rows)
+
+    def bytes(self, s: int, c: int, batch: int = 1, head_rows: int | None = None) -> float:
+        """Bytes moved: weights (read once for the whole batch), then per row KV read + write,
+        activations, the gathered embedding rows and the logits (BASTION's closed form)."""
         h, hq, hkv, f, bp = self.hidden, self.n_q * self.head_dim, self.n_kv * self.head_dim, self.ffn, self.bytes_per_value
-        weights = self.vocab * h + self.layers * (2 * h * hq + 2 * h * hkv + 3 * h * f) + h * self.vocab
+        rows = self.vocab if head_rows is None else head_rows
         kv = self.layers * (2 * c * hkv + 2 * s * hkv)
         act = self.layers * (2 * s * h + 4 * s * hq + 2 * s * hkv + 2 * self.n_q * s * (c + s) + 2 * s * h + 4 * s * f)
-        return bp * (weights + batch * (kv + act + s * h + s * self.vocab))
+        return bp * (self.weight_values(head_rows) + batch * (kv + act + s * h + s * rows))
 
-    def roofline(self, peaks: DevicePeaks, s: int, c: int, batch: int = 1) -> float:
-        return max(self.flops(s, c, batch) / peaks.flops, self.bytes(s, c, batch) / peaks.bandwidth)
+    def roofline(self, peaks: DevicePeaks, s: int, c: int, batch: int = 1, head_rows: int | None = None) -> float:
+        return max(self.flops(s, c, batch, head_rows) / peaks.flops,
+                   self.bytes(s, c, batch, head_rows) / peaks.bandwidth)
 
 
 AR, AR_DRAFT = "ar", "ar+draft"  # the root-step variants, calibrated beside the buckets
@@ -181,6 +192,7 @@ class LatencyModel:
     buckets: tuple[int, ...]
     drafter: ModelDims | None = None
     block_size: int = 1
+    draft_rows: int | None = None  # LM-head rows a draft scores (a reduced draft vocabulary); None: all
     alpha: dict[int | str, float] = dataclasses.field(default_factory=dict)  # per bucket or root variant
     beta: dict[int | str, float] = dataclasses.field(default_factory=dict)
     ema: dict[int | str, float] = dataclasses.field(default_factory=dict)  # measured / predicted
@@ -208,13 +220,11 @@ class LatencyModel:
         return self.target.roofline(self.peaks, int(b), c, self.batch) + self.draft_raw(c)
 
     def draft_raw(self, c: int) -> float:
-        """Roofline of the drafter's block forward (its embedding and LM head are the target's)."""
+        """Roofline of the drafter's block forward. It has no embedding or LM head of its own: it scores
+        the target's head, on the draft vocabulary's `draft_rows` rows when there is one."""
         if self.drafter is None:
             return 0.0
-        t = self.drafter.roofline(self.peaks, self.block_size, c, self.batch) - self.drafter.bytes_per_value * (
-            2 * self.drafter.vocab * self.drafter.hidden) / self.peaks.bandwidth  # no embed/LM head of its own
-        head = 2 * self.batch * self.block_size * self.target.hidden * self.target.vocab  # the borrowed LM head
-        return t + head / self.peaks.flops
+        return self.drafter.roofline(self.peaks, self.block_size, c, self.batch, self.draft_rows)
 
     def step_time(self, b: int, c: int, draft: bool) -> float:
         """T(b, c, draft) for the draft gate: b = 0 is a root (AR) step; a tree step that does not draft
@@ -286,7 +296,7 @@ class LatencyModel:
     def key(self, model: str, dtype: str, tree_top_k: int) -> str:
         ident = json.dumps([STEPS_VERSION, self.peaks.name, device_kind(), model, dtype, list(self.buckets),
                             int(tree_top_k), self.block_size, self.batch, dataclasses.asdict(self.target),
-                            self.drafter and dataclasses.asdict(self.drafter)])
+                            self.drafter and dataclasses.asdict(self.drafter), self.draft_rows])
         return hashlib.sha1(ident.encode()).hexdigest()[:16]
 
     def to_json(self, model: str, dtype: str, tree_top_k: int) -> dict:

@@ -69,6 +69,27 @@ def test_each_row_of_a_batch_is_its_single_prompt_output(setup, mode):
         assert res.stats.tau > 1.5  # the batch really accepted drafts, at different rates per row
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_roofline_reads_the_weights_a_step_reads(tied):
+    """Every matrix once, norms aside; the embedding table only as a tied LM head (an untied model's
+    table is gathered one row per token); a draft scores only its draft vocabulary's head rows."""
+    from bastion_jax.config import TargetConfig
+
+    cfg = TargetConfig.from_hf(dict(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=16, tie_word_embeddings=tied))
+    dims = ModelDims.of(cfg, 4)
+    h, norms = cfg.hidden_size, cfg.num_hidden_layers * 2 * cfg.hidden_size + cfg.hidden_size
+    untied_table = 0 if tied else cfg.vocab_size * h
+    assert dims.weight_values() == cfg.param_count() - norms - untied_table
+    peaks = DevicePeaks("test", 1e18, 1e9)  # bandwidth-bound: the roofline is the bytes
+    full = LatencyModel(dims, peaks, (1, 8), dims, 4)
+    reduced = LatencyModel(dims, peaks, (1, 8), dims, 4, draft_rows=32)
+    fewer = (cfg.vocab_size - 32) * (h + 4)  # head rows not read + logits per block slot not written
+    assert full.draft_raw(100) - reduced.draft_raw(100) == pytest.approx(4 * fewer / 1e9)
+    assert full.key("m", "float32", 4) != reduced.key("m", "float32", 4)
+
+
 def test_steps_are_priced_at_the_batch_they_compute():
     dims = ModelDims(layers=2, hidden=64, n_q=4, n_kv=2, head_dim=16, ffn=128, vocab=96, bytes_per_value=4)
     peaks = DevicePeaks("test", 1e12, 1e11)
