@@ -56,6 +56,26 @@ def positive_int(text: str) -> int:
     return n
 
 
+def block_size_arg(text: str) -> int:
+    """argparse type for --block-size (generate, profile, benchmarks): a block holds its anchor and at least
+    one drafted slot, so a value below 2 is refused while parsing instead of quietly becoming the default."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 2 (the anchor and at least one drafted "
+                                         f"token), got {text!r}")
+    return n
+
+
+def check_block_size(block_size: int | None, drafter: str | None) -> None:
+    """--block-size sizes only a randomly built drafter: with any other (`drafter`: the resolved --drafter, a
+    dir, "none" or None) it would be ignored, so it is refused (ValueError, one line) before anything loads."""
+    if block_size is not None and drafter != "random":
+        raise ValueError("--block-size only applies to --drafter random (a loaded drafter has its own block size)")
+
+
 def stderr_log(quiet: bool) -> Callable[[str], None]:
     """Progress and summaries go to stderr (stdout stays for results), silenced by --quiet."""
     def log(msg: str) -> None:

@@ -8,9 +8,9 @@ import sys
 import time
 
 from bastion_jax.calibration import calibration_model, load_or_calibrate
-from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, add_sampling_flags, check_cond_head, dtype_note,
-                             fail, positive_int, resolve_cond_head, resolve_dtype, resolve_lookup, stderr_log,
-                             use_compilation_cache)
+from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, add_sampling_flags, block_size_arg,
+                             check_block_size, check_cond_head, dtype_note, fail, positive_int, resolve_cond_head,
+                             resolve_dtype, resolve_lookup, stderr_log, use_compilation_cache)
 
 DEFAULT_PROMPT_HELP = "With no --target, the embedded SmolLM2-135M-Instruct is used."
 DEFAULT_BLOCK_SIZE = 16  # of a --drafter random
@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recalibrate", action="store_true", help="bastion: profile at warm-up even when a calibration "
                    "is saved for this setting, and save it over the old one (one taken while the machine was busy "
                    "prices steps unevenly, and bastion then drafts less than it should)")
-    p.add_argument("--block-size", type=int, help=f"block size of a --drafter random (default {DEFAULT_BLOCK_SIZE}; "
-                   "a loaded drafter has its own)")
+    p.add_argument("--block-size", type=block_size_arg, help="block size of a --drafter random (>= 2, default "
+                   f"{DEFAULT_BLOCK_SIZE}; a loaded drafter has its own)")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="maximum new tokens per prompt (default 256)")
     add_sampling_flags(p)
     p.add_argument("--sample-top-k", "--sampling-top-k", dest="top_k", type=int, default=argparse.SUPPRESS,
@@ -80,8 +80,7 @@ def load_models(args, log):
     from bastion_jax.checkpoints import load_drafter, load_target, random_drafter
     from bastion_jax.default_model import default_target_dir
 
-    if args.block_size is not None and args.drafter != "random":
-        raise ValueError("--block-size only applies to --drafter random (a loaded drafter has its own block size)")
+    check_block_size(args.block_size, args.drafter)
     if args.tree_top_k < 1:
         raise ValueError(f"--tree-top-k must be >= 1 (drafter candidates per block position), got {args.tree_top_k}")
     if args.recalibrate and args.no_calibrate:
@@ -108,7 +107,7 @@ def load_models(args, log):
     if drafter_arg == "random":
         from bastion_jax.presets import tiny_drafter_config
 
-        block = args.block_size or DEFAULT_BLOCK_SIZE
+        block = DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size
         drafter = random_drafter(tiny_drafter_config(target.config, block_size=block), target.dtype)
         log(f"drafter: tiny random (block size {block}, {target.dtype.name} like the target; expect few accepted "
             "tokens)")

@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, check_cond_head, fail, positive_int,
-                             resolve_cond_head, resolve_lookup, stderr_log)
+from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, block_size_arg, check_block_size,
+                             check_cond_head, fail, positive_int, resolve_cond_head, resolve_lookup, stderr_log)
 from bastion_jax.controller import PolicyError, default_buckets, parse_buckets
 from bastion_jax.profile_report import device_meta, markdown, write_outputs
 from bastion_jax.profiler import run_profile
@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "fitting the target, as `generate --drafter random`)")
     p.add_argument("--layers", type=int, help="--arch: keep only the first N target layers (quick CI runs)")
     p.add_argument("--drafter-layers", type=int, help="--arch: drafter layers (default: the preset's)")
-    p.add_argument("--block-size", type=int, help="drafter block size (--arch default: the preset's; random "
-                   "drafter default 16)")
+    p.add_argument("--block-size", type=block_size_arg, help="drafter block size, >= 2 (--arch default: the "
+                   "preset's; --target: of its random drafter, default 16; a loaded drafter has its own)")
     add_layout_flag(p)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: --target's own dtype (as `generate`); --arch: bfloat16 on GPU/TPU, float32 on CPU")
@@ -148,6 +148,8 @@ def setup(args, log=lambda msg: None) -> Setup:
         raise ProfileError("--drafter goes with --target; --arch builds its own drafter")
     if args.target and (args.layers is not None or args.drafter_layers is not None):
         raise ProfileError("--layers/--drafter-layers only apply to --arch")
+    if args.target:  # --arch sizes its own drafter's blocks with it
+        check_block_size(args.block_size, args.drafter or "random")
     if args.arch:  # its random drafter has no token ranking and no datastore: a value here would be ignored
         given = []
         if asks_for_draft_vocab(getattr(args, "draft_vocab", "auto")):
@@ -200,8 +202,8 @@ def setup(args, log=lambda msg: None) -> Setup:
         target = load_target(args.target, dtype, scan_layers=scan)
         drafter_arg = args.drafter or "random"
         if drafter_arg == "random":
-            drafter = random_drafter(tiny_drafter_config(target.config, block_size=args.block_size or 16),
-                                     target.dtype, args.seed)
+            block = 16 if args.block_size is None else args.block_size
+            drafter = random_drafter(tiny_drafter_config(target.config, block_size=block), target.dtype, args.seed)
         else:
             drafter = load_drafter(drafter_arg, target.config, target.dtype,
                                    cond_head=resolve_cond_head(getattr(args, "cond_head", "auto")))

@@ -29,7 +29,7 @@ import json
 import sys
 from pathlib import Path
 
-from bastion_jax.cli import fail, stderr_log
+from bastion_jax.cli import Parser, block_size_arg, fail, stderr_log
 from bastion_jax.profile import add_layout_flag
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -41,15 +41,16 @@ HOST_MAX = 0.03
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.perf_8b", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m benchmarks.perf_8b", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default=None, help="named architecture, random weights (default qwen3-8b unless "
                    "--target is given)")
     p.add_argument("--target", help="a real target checkpoint instead of --arch")
     p.add_argument("--drafter", help="with --target: drafter dir or 'random'")
     p.add_argument("--layers", type=int, help="--arch: keep only the first N target layers")
     p.add_argument("--drafter-layers", type=int)
-    p.add_argument("--block-size", type=int)
+    p.add_argument("--block-size", type=block_size_arg, help="drafter block size, >= 2 (--arch: the preset's; "
+                   "--target: of its random drafter, default 16)")
     add_layout_flag(p)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: --target's own dtype; --arch: bfloat16 on GPU, float32 on CPU")

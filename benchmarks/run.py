@@ -20,7 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-from bastion_jax.cli import (Parser, add_cond_head_flags, check_cond_head, add_lookup_flag, add_sampling_flags, head_setting_words,
+from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, add_sampling_flags, block_size_arg,
+                             check_block_size, check_cond_head, fail, head_setting_words, positive_int,
                              resolve_cond_head, use_compilation_cache)
 from bastion_jax.acceptance import STANDARD_SETS, PromptError, read_prompts, resolve_prompt_file
 from benchmarks.report import commit, markdown_table, per_set, plot, write_csv
@@ -50,21 +51,21 @@ def identity_cell(identical: bool | None) -> str:
     return "n/a" if identical is None else "yes" if identical else "NO"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> Parser:
     p = Parser(prog="python -m benchmarks.run", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", nargs="+", default=list(STANDARD_SETS),
                    help="standard sets by name (" + ", ".join(STANDARD_SETS) + "; read from ../shared/data beside "
                    "the checkout) and/or JSONL(.gz) files with a prompt field (default: every standard set)")
-    p.add_argument("--max-prompts", type=int, default=5, help="prompts per set (default 5)")
+    p.add_argument("--max-prompts", type=positive_int, default=5, help="prompts per set (default 5)")
     p.add_argument("--target", help="target checkpoint (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", help="drafter dir, or 'random' (default: the shipped drafter with the default "
                    "target, else random)")
     p.add_argument("--modes", help="comma-separated policies to run (default: ar, dflash, the fixed sweep, bastion, "
                    "and bastion-paper when the largest bucket is >= 32); "
                    "ar always runs: it is the reference for identity and ratios")
-    p.add_argument("--block-size", type=int, help="block size of a --drafter random (default 16)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--block-size", type=block_size_arg, help="block size of a --drafter random (>= 2, default 16)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--reps", type=int, default=1, help="rounds of every mode per prompt (rotated order); each "
                    "mode keeps its median-time run: a 2-core CPU drifts 10-20%% within a minute, so single "
                    "runs make noisy ratios (default 1)")
@@ -72,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                    "whose number must be a multiple of it): the tokens/s of a batch, which ends with its last row; "
                    "bastion is calibrated at this size (default 1)")
     p.add_argument("--buckets", help="tree sizes compiled (default: the engine's, 1,4,8,16,32,64 or on CPU 1,4,8,16: "
-                   "the largest prices every draft, so the fixed sweep never adds one)")
-    p.add_argument("--fixed", help="fixed:N sweep sizes, which must be buckets (default: those of 4,16,64 that are)")
+                   "the largest prices every draft, so neither the fixed sweep nor --modes fixed:N adds one)")
+    p.add_argument("--fixed", help="fixed:N sweep sizes of the default modes, which must be buckets (default: those "
+                   "of 4,16,64 that are); with --modes, name fixed:N there")
     p.add_argument("--draft-vocab", default="auto", help="drafter LM head over the N most frequent tokens: auto, "
                    "full or N (see python -m bastion_jax.generate --help)")
     add_lookup_flag(p)
@@ -88,6 +90,46 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="bench", help="results file name (benchmarks/results/<name>.json)")
     p.add_argument("--no-calibrate", action="store_true")
     p.add_argument("--out-dir", default=str(RESULTS), help="where to write <name>.json/.md (default benchmarks/results)")
+    return p
+
+
+def plan_modes(args, buckets: tuple[int, ...]) -> list[str]:
+    """The modes to run, "ar" first, every one parsed and its tree sizes checked against `buckets`, so a
+    typo or a size that is no bucket is refused before minutes of loading and calibration, not at
+    warm-up. Raises PolicyError (a ValueError) naming the flag and what to change."""
+    from bastion_jax.controller import Policy, PolicyError, parse_buckets
+    from bastion_jax.paper_rule import paper_buckets
+
+    now = f"now {','.join(map(str, buckets))}"
+    if args.modes is not None:
+        if args.fixed:
+            raise PolicyError(f"--fixed {args.fixed} sizes the default modes' sweep; with --modes, name its sizes "
+                              "there (fixed:N)")
+        policies = [Policy.parse(m.strip()) for m in args.modes.split(",") if m.strip()]
+        modes = ["ar"] + [str(q) for q in dict.fromkeys(policies) if q.kind != "ar"]
+        for q in policies:
+            if q.kind == "fixed" and q.size not in buckets:
+                raise PolicyError(f"--modes {q} needs bucket {q.size}: add it to --buckets ({now}; bastion's trees "
+                                  "then hold the largest)")
+    else:
+        sweep = parse_buckets(args.fixed) if args.fixed else tuple(n for n in (4, 16, 64) if n in buckets)
+        missing = sorted(set(sweep) - set(buckets))
+        if missing:
+            raise PolicyError(f"--fixed {','.join(map(str, sweep))} needs buckets {','.join(map(str, missing))}: "
+                              f"add them to --buckets ({now}; bastion's trees then hold the largest)")
+        modes = ["ar", "dflash"] + [f"fixed:{n}" for n in sweep] + ["bastion"]
+        if max(buckets) >= 32:
+            modes.append("bastion-paper")
+    if "bastion-paper" in modes:
+        try:
+            paper_buckets(max(buckets))
+        except ValueError as e:
+            raise PolicyError(f"{e}: add one to --buckets ({now})") from None
+    return modes
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error(f"--reps must be >= 1, got {args.reps}")
@@ -95,60 +137,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--batch must be >= 1, got {args.batch}")
     if args.tree_top_k < 1:
         p.error(f"--tree-top-k must be >= 1, got {args.tree_top_k}")
+    from bastion_jax.controller import default_buckets, parse_buckets
     from bastion_jax.sampling import SamplingConfig
 
-    try:
+    try:  # every flag is checked before anything loads
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+        buckets = parse_buckets(args.buckets) if args.buckets else default_buckets()
+        modes = plan_modes(args, buckets)
+        if args.drafter is None:
+            from bastion_jax.default_model import default_drafter_dir
+
+            shipped = default_drafter_dir() if args.target is None else None
+            args.drafter = str(shipped) if shipped else "random"
+        check_block_size(args.block_size, args.drafter)
     except ValueError as e:
         p.error(str(e))
-    use_compilation_cache()
-
-    import jax
-
-    from bastion_jax.checkpoints import load_drafter, load_target, random_drafter
-    from bastion_jax.controller import default_buckets, parse_buckets
-    from bastion_jax.default_model import default_target_dir
-    from bastion_jax.engine import Engine
-    from bastion_jax.cli import resolve_dtype, resolve_lookup
-    from bastion_jax.presets import tiny_drafter_config
-    from bastion_jax.text import encode_prompt, load_tokenizer
-
-    if args.drafter is None:
-        from bastion_jax.default_model import default_drafter_dir
-
-        shipped = default_drafter_dir() if args.target is None else None
-        args.drafter = str(shipped) if shipped else "random"
-    if args.block_size is not None and args.drafter != "random":
-        raise SystemExit("error: --block-size only applies to --drafter random (a loaded drafter has its own)")
-    target_path = args.target or default_target_dir()
-    target = load_target(target_path, resolve_dtype(args.dtype))
-    tok = load_tokenizer(target)
-    if args.drafter == "random":
-        drafter = random_drafter(tiny_drafter_config(target.config, block_size=args.block_size or 16), target.dtype)
-    else:
-        drafter = load_drafter(args.drafter, target.config, target.dtype,
-                               cond_head=resolve_cond_head(args.cond_head))
-    try:
-        check_cond_head(args.cond_head, drafter)
-    except ValueError as e:
-        p.error(str(e))
-    buckets = parse_buckets(args.buckets) if args.buckets else default_buckets()
-
-    engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
-                    draft_vocab=args.draft_vocab,
-                    lookup=resolve_lookup(args.lookup), datastore=args.datastore,
-                    cond_depths=args.cond_depths, cond_candidates=args.cond_candidates)
-    sweep = parse_buckets(args.fixed) if args.fixed else tuple(n for n in (4, 16, 64) if n in buckets)
-    missing = sorted(set(sweep) - set(buckets))
-    if missing:
-        p.error(f"--fixed {','.join(map(str, sweep))} needs buckets {','.join(map(str, missing))}: "
-                f"add them to --buckets (now {','.join(map(str, buckets))}; bastion's trees then hold the largest)")
-    modes = ["ar", "dflash"] + [f"fixed:{n}" for n in sweep] + ["bastion"]
-    if max(buckets) >= 32:
-        modes.append("bastion-paper")
-    if args.modes:
-        modes = ["ar"] + [m for m in args.modes.split(",") if m and m != "ar"]
-
     try:
         args.prompts = [str(resolve_prompt_file(f)) for f in args.prompts]
         prompts = [(Path(f).name.split(".")[0], t) for f in args.prompts for t in read_prompts(f, args.max_prompts)]
@@ -157,6 +160,38 @@ def main(argv: list[str] | None = None) -> int:
     if len(prompts) % args.batch:
         raise SystemExit(f"error: --batch {args.batch} needs a multiple of {args.batch} prompts, got {len(prompts)} "
                          "(change --max-prompts or --prompts)")
+    use_compilation_cache()
+    try:  # a checkpoint, the engine or a run that refuses its input: one line, no traceback
+        return measure(args, prompts, buckets, modes, sampling)
+    except ValueError as e:  # CheckpointError, ConfigError, DefaultModelError, GenerationError, PolicyError, ...
+        return fail(e)
+
+
+def measure(args, prompts: list[tuple[str, str]], buckets: tuple[int, ...], modes: list[str], sampling) -> int:
+    """Load the models, calibrate, warm every mode up, time them on every prompt and write the results."""
+    import jax
+
+    from bastion_jax.checkpoints import load_drafter, load_target, random_drafter
+    from bastion_jax.default_model import default_target_dir
+    from bastion_jax.engine import Engine
+    from bastion_jax.cli import resolve_dtype, resolve_lookup
+    from bastion_jax.presets import tiny_drafter_config
+    from bastion_jax.text import encode_prompt, load_tokenizer
+
+    target_path = args.target or default_target_dir()
+    target = load_target(target_path, resolve_dtype(args.dtype))
+    tok = load_tokenizer(target)
+    if args.drafter == "random":
+        block = 16 if args.block_size is None else args.block_size
+        drafter = random_drafter(tiny_drafter_config(target.config, block_size=block), target.dtype)
+    else:
+        drafter = load_drafter(args.drafter, target.config, target.dtype,
+                               cond_head=resolve_cond_head(args.cond_head))
+    check_cond_head(args.cond_head, drafter)
+    engine = Engine(target, tok, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
+                    draft_vocab=args.draft_vocab,
+                    lookup=resolve_lookup(args.lookup), datastore=args.datastore,
+                    cond_depths=args.cond_depths, cond_candidates=args.cond_candidates)
     ids = [encode_prompt(tok, t) for _, t in prompts]
     longest = max(map(len, ids))
     # One cache length for every mode (the largest slack, the tree's), so all pay the same attention cost.

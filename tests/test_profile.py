@@ -170,7 +170,6 @@ def test_saved_peaks_are_adopted_and_old_files_still_load(tmp_path):
     (["--arch", "smollm2-135m", "--contexts", "250", "--max-len", "256"], "does not fit --max-len 256"),
     (["--arch", "smollm2-135m", "--max-len", "9000"], "--max-len 9000 exceeds"),
     (["--arch", "smollm2-135m", "--layers", "31"], "--layers must be in [1, 30]"),
-    (["--arch", "smollm2-135m", "--block-size", "1"], "--block-size must be >= 2"),
     (["--arch", "smollm2-135m", "--reps", "0"], "--reps must be >= 1"),
     (["--target", "/nonexistent/model"], "checkpoint not found"),
     (["--target", "/nonexistent/model", "--layers", "2"], "only apply to --arch"),
