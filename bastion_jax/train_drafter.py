@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 from bastion_jax.acceptance_cli import add_eval_parser, run_eval
@@ -319,7 +318,6 @@ def run_train(args, target, log) -> None:
         f"data: {len(train)} train / {len(val)} val sequences of <= {cfg.seq_len} tokens | loss vocabulary: "
         f"{cfg.draft_vocab or 'full'} | matmuls: {cfg.matmul_dtype}")
     out = Path(args.out)
-    t0 = time.perf_counter()
     ranking = load_ranking(Path(args.init)) if args.init else None  # keep the loss vocabulary it was trained on
     init_note = args.init or ("target's last layers" if args.init_from_target else "random")
     if args.init and d.num_hidden_layers > init_cfg.num_hidden_layers:
@@ -336,9 +334,8 @@ def run_train(args, target, log) -> None:
         export = export_zlab(d, state, directory, getattr(jnp, args.export_dtype), info=head_info)
         save_ranking(export, trainer.ranking)  # what generate --draft-vocab reads beside config.json
         (export / "training.json").write_text(json.dumps(
-            {"train_config": dataclasses.asdict(cfg), "data": [str(p) for p in args.data],
-             "target": str(target.path), "init": init_note,
-             "seconds": round(time.perf_counter() - t0, 1), **extra,
+            {"train_config": dataclasses.asdict(cfg), "data": [str(p) for p in args.data], "target": str(target.path),
+             "init": init_note, **trainer.run_facts(), **extra,  # device, date, step reached, seconds (+ total)
              "vocab_ranking": {"file": "vocab_ranking.npy", "source": "training responses",
                                "order": "int32 token ids, most frequent first, ties by id"}}, indent=2))
         return export

@@ -197,16 +197,20 @@ def test_toy_training_learns_resumes_and_exports(pair, toy_data, tmp_path, monke
     assert trainer.walk_tau(trained.state, val, trainer.feature_store(val, "val")) == pytest.approx(committed / steps)
 
 
-def test_a_continued_drafter_is_the_record_to_beat(pair, toy_data, tmp_path):
+def test_a_continued_drafter_is_the_record_to_beat(pair, toy_data, tmp_path, monkeypatch):
     """`validate_start` validates the starting weights as step 0: a run that cannot improve on them
-    (learning rate 0) keeps step 0 as its best, and one that learns replaces it."""
+    (learning rate 0 at every step) keeps step 0 as its best, and one that learns replaces it."""
     target, drafter = pair
     train, val = TokenDataset(toy_data, seq_len=32, vocab_size=target.config.vocab_size).split(4)
-    cfg = TrainConfig(steps=20, batch_size=4, seq_len=32, num_anchors=8, lr=0.0, weight_decay=0.0, log_every=10,
+    cfg = TrainConfig(steps=20, batch_size=4, seq_len=32, num_anchors=8, lr=1e-2, weight_decay=0.0, log_every=10,
                       save_every=20, eval_every=10)
     for lr, name in ((0.0, "frozen"), (1e-2, "learning")):
         bests = []
-        Trainer(target, drafter, dataclasses_replace(cfg, lr=lr), tmp_path / name, log=lambda m: None,
+        if lr == 0.0:  # (TrainConfig refuses lr 0: the schedule is zeroed instead)
+            monkeypatch.setattr("bastion_jax.training.trainer.learning_rate", lambda cfg, progress: 0.0)
+        else:
+            monkeypatch.undo()
+        Trainer(target, drafter, cfg, tmp_path / name, log=lambda m: None,
                 on_best=lambda params, ev: bests.append(ev["step"])).fit(train, val, progress=False, validate_start=True)
         rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         val_rows = [r for r in rows if r["split"] == "val"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import sys
 import zipfile
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -46,6 +47,55 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{i}: not JSON ({e.msg})") from None
     return rows
+
+
+# The data command appends whole lines through a buffered file flushed once per batch, so a kill can
+# leave the last line half written. Counting lines took it for a finished record and the next run
+# appended onto it (one line of two halves, "not JSON" in `train`): a resume cuts it off instead.
+def resume_jsonl(path: str | Path, key: str) -> list[dict]:
+    """The records already in `path` (JSON objects, one a line, each with `key`), after cutting off a
+    torn last line: the file then ends with a newline, ready for the next record to be appended.
+
+    A missing file has none. A line that does not parse is a tear when nothing but blank space follows
+    it (cut off, with a note on stderr); before another record it is damage, an error naming the file
+    and line. A record without `key` means `path` is not a file this command writes."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records: list[dict] = []
+    kept = offset = 0  # bytes up to the end of the last complete record; bytes read
+    bad: tuple[int, str] | None = None  # the first line that did not parse: (number, why)
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            offset += len(raw)
+            if not raw.strip():
+                continue  # blank: neither a record nor damage (read_jsonl skips it too)
+            if bad is not None:
+                raise DataError(f"{path}:{bad[0]}: {bad[1]}, with records after it: the file is damaged, not "
+                                "cut short by an interrupted run; remove or repair that line to resume")
+            try:
+                record = json.loads(raw)
+            except ValueError as e:  # (JSONDecodeError, and UnicodeDecodeError for a torn character)
+                bad = (number, f"not JSON ({getattr(e, 'msg', None) or type(e).__name__})")
+                continue
+            if not isinstance(record, dict) or key not in record:
+                raise DataError(f"{path}:{number}: a record without {key!r}: not a file this command writes; "
+                                "give another output file")
+            records.append(record)
+            kept = offset
+    if offset > kept:  # a torn line (and blank space, dropped silently when that is all there is)
+        with open(path, "r+b") as f:
+            f.truncate(kept)
+        if bad is not None:
+            print(f"resuming {path}: dropped {offset - kept} bytes after its last complete record (line "
+                  f"{bad[0]}, which an interrupted run left half written); {len(records)} records kept",
+                  file=sys.stderr)
+    if kept:
+        with open(path, "r+b") as f:
+            f.seek(kept - 1)
+            if f.read(1) != b"\n":  # a complete last record written without its newline
+                f.write(b"\n")
+    return records
 
 
 def prompt_text(record: dict) -> str:
@@ -106,7 +156,7 @@ def generate_responses(engine, tokenizer, prompts: Sequence[tuple[str, str]], ou
     from bastion_jax.text import encode_prompt
 
     out = Path(out)
-    done = sum(1 for _ in open(out)) if out.is_file() else 0
+    done = len(resume_jsonl(out, "response_ids"))  # (a torn last line cut off, not counted as done)
     todo = []
     for source, text in prompts[done:]:
         ids = encode_prompt(tokenizer, text, system=system)
@@ -161,7 +211,7 @@ def magpie_prompts(engine, tokenizer, num: int, out: str | Path, *, temperature:
     from bastion_jax.sampling import SamplingConfig
 
     out = Path(out)
-    have = [json.loads(line)["prompt"] for line in open(out)] if out.is_file() else []
+    have = [str(r["prompt"]) for r in resume_jsonl(out, "prompt")]  # (a torn last line cut off)
     seen = set(have)
     prefix = user_turn_prefix(tokenizer)
     sampling = SamplingConfig(temperature=temperature)

@@ -4,6 +4,7 @@ whose learning rate the loop sets each step so that a run cut by wall time still
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import lru_cache
 
 import jax
@@ -53,8 +54,28 @@ class TrainConfig:
     marginal: float = 0.0
 
     def __post_init__(self):
-        if self.steps < 1 or self.batch_size < 1:
-            raise ValueError("steps and batch_size must be >= 1")
+        # Each message names the field and its train_drafter flag: the CLI reports it as its one error
+        # line before the data loads (a zero --log-every used to divide by zero after the first compile).
+        for name in ("steps", "batch_size", "log_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{_named(name)} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0:  # (a negative one was taken as its absolute value by the step modulo)
+            raise ValueError(f"{_named('eval_every')} must be >= 0 (0: validate only at the end), "
+                             f"got {self.eval_every}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"{_named('lr')} must be a finite number > 0, got {self.lr}")
+        if self.gamma is not None and not (math.isfinite(self.gamma) and self.gamma > 0):  # None: the block's default
+            raise ValueError(f"{_named('gamma')} must be a finite number > 0 (leave it out for the block size's "
+                             f"default), got {self.gamma}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"{_named('warmup_ratio')} must be in [0, 1), got {self.warmup_ratio}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"{_named('weight_decay')} must be a number >= 0, got {self.weight_decay}")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):  # 0 would clip every update away
+            raise ValueError(f"{_named('max_grad_norm')} must be a number > 0, got {self.max_grad_norm}")
+        if not (math.isfinite(self.save_minutes) and self.save_minutes >= 0):
+            raise ValueError(f"{_named('save_minutes')} must be a number >= 0 (0: by steps only), "
+                             f"got {self.save_minutes}")
         if not 1 <= self.num_anchors < self.seq_len:
             raise ValueError(f"num_anchors must be in [1, seq_len), got {self.num_anchors} for seq_len {self.seq_len}")
         if self.draft_vocab < 0:
@@ -71,6 +92,11 @@ class TrainConfig:
             raise ValueError(f"marginal must be >= 0, got {self.marginal}")
         if self.matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
+
+
+def _named(field: str) -> str:
+    """`field` with the train_drafter flag that sets it, for error messages read by CLI and library users alike."""
+    return f"{field} (--{field.replace('_', '-')})"
 
 
 @lru_cache(maxsize=8)  # built once per config, evaluated every step

@@ -9,6 +9,7 @@ exports the best step.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import time
@@ -85,14 +86,17 @@ class Trainer:
         if self.cfg.marginal and (self.cfg.freeze_drafter or not d.cond_head_rank):
             raise ValueError("--marginal weighs the drafter's own law beside its conditioned head's: it needs a "
                              "head (--cond-head R) trained with the drafter (not --freeze-drafter)")
-        self.obj = Objective(block_size=d.block_size, num_anchors=self.cfg.num_anchors,
-                             gamma=self.cfg.gamma or default_gamma(d.block_size), mask_token_id=d.mask_token_id,
-                             distill=self.cfg.distill, miss_weight=self.cfg.miss_weight, marginal=self.cfg.marginal)
+        gamma = default_gamma(d.block_size) if self.cfg.gamma is None else self.cfg.gamma  # (`or` took 0 as unset)
+        self.obj = Objective(block_size=d.block_size, num_anchors=self.cfg.num_anchors, gamma=gamma,
+                             mask_token_id=d.mask_token_id, distill=self.cfg.distill, miss_weight=self.cfg.miss_weight,
+                             marginal=self.cfg.marginal)
         self.tx = optimizer(self.cfg)
         self.static = dict(drafter_def=self.drafter.graphdef, obj=self.obj, matmul_dtype=self.cfg.matmul_dtype)
         self.embed = self.target.state["embed_tokens"]["weight"][...]
         self.vocab: LossVocab | None = None
         self._progress = 0.0  # schedule progress of the last step run (saved with checkpoints)
+        self.step = 0  # the step the weights have reached (after `fit`: where it stopped, early or not)
+        self._started, self.seconds_before = time.perf_counter(), 0.0  # wall time: ours; earlier runs' (checkpointed)
 
     def prepare(self, train: TokenDataset) -> None:
         """The token ranking (kept in the work dir so a resumed run scores the same tokens) and the loss vocabulary."""
@@ -156,6 +160,7 @@ class Trainer:
             self.log(f"note: resuming step {step} with a different training config than the one saved")
         self.log(f"resumed from {self.workdir / 'checkpoints'} at step {step}")
         self._progress = float(meta.get("progress", 0.0))  # how far a time-cut run had annealed
+        self.seconds_before = float(meta.get("seconds_total", 0.0))  # (0 in checkpoints made before it was kept)
         params = restored["state"]["params"]
         if ema is not None:
             ema = restored["state"].get("ema")
@@ -168,10 +173,23 @@ class Trainer:
         import orbax.checkpoint as ocp
 
         meta = {"train_config": dataclasses.asdict(self.cfg), "drafter_config": self.drafter.config.to_hf(),
-                "progress": self._progress}
+                "progress": self._progress, "seconds_total": self.seconds_total()}
         state = {"params": params, "opt_state": opt_state} | ({} if ema is None else {"ema": ema})
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
                   force=True)
+
+    def seconds_total(self) -> float:
+        """Wall seconds spent on this work dir across resumes: earlier runs' up to their last checkpoint
+        (what a killed run trained after it is lost, and so is its time) plus this process's so far."""
+        return self.seconds_before + time.perf_counter() - self._started
+
+    def run_facts(self) -> dict:
+        """An export's `training.json` keys on the run, to read its figures against other runs': device, UTC
+        date, step reached (below `steps` when cut by time), this process's wall seconds, `seconds_total`."""
+        dev, seconds = jax.devices()[0], time.perf_counter() - self._started
+        return {"device": {"kind": dev.device_kind, "platform": dev.platform, "count": jax.device_count()},
+                "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), "step": self.step,
+                "seconds": round(seconds, 1), "seconds_total": round(self.seconds_before + seconds, 1)}
 
     def evaluate(self, params, data: TokenDataset, rows: int = VAL_ROWS, store: FeatureStore | None = None
                  ) -> dict[str, float]:
@@ -292,6 +310,7 @@ class Trainer:
         decay = jnp.float32(self.cfg.ema)
         mngr = self._manager()
         step, params, opt_state, ema = self._restore(mngr, params, opt_state, ema)
+        self.step = step
         store, val_store = self.feature_store(train, "train"), val and self.feature_store(val, "val")
         if store.data is not None:
             self.log(f"target features: {store.cached}/{len(train)} training rows stored "
@@ -339,6 +358,7 @@ class Trainer:
                 busy += time.perf_counter() - t0
                 positions += n_pos
             step += 1
+            self.step = step
             tracer.after(step - start)
             history.append(m)
             bar.update(1)
