@@ -70,22 +70,12 @@ def eval_buckets(modes: Sequence[str], buckets: tuple[int, ...] | None) -> tuple
     against them; else the engine's default (`controller.default_buckets`, as generate and
     benchmarks.run) plus those N, so `--modes fixed:32` runs on CPU too. Checked before the drafter
     loads or bastion calibrates; raises PolicyError naming what to add."""
-    from bastion_jax.controller import Policy, PolicyError, default_buckets
-    from bastion_jax.paper_rule import paper_buckets
+    from bastion_jax.controller import Policy, check_buckets, default_buckets
 
-    sizes = {q.size for q in map(Policy.parse, modes) if q.kind == "fixed"}
+    policies = [Policy.parse(m) for m in modes]
     if buckets is None:
-        buckets = tuple(sorted(set(default_buckets()) | sizes))
-    now = f"now {','.join(map(str, buckets))}"
-    missing = sorted(sizes - set(buckets))
-    if missing:
-        raise PolicyError(f"--modes {','.join(f'fixed:{n}' for n in missing)} needs bucket(s) "
-                          f"{','.join(map(str, missing))}: add them to --buckets ({now})")
-    if "bastion-paper" in modes:
-        try:
-            paper_buckets(max(buckets))
-        except ValueError as e:
-            raise PolicyError(f"{e}: add one to --buckets ({now})") from None
+        buckets = tuple(sorted(set(default_buckets()) | {q.size for q in policies if q.kind == "fixed"}))
+    check_buckets(policies, buckets)
     return buckets
 
 

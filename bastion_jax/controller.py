@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Sequence
 
 import numpy as np
 
@@ -73,6 +74,24 @@ def parse_buckets(text: str) -> tuple[int, ...]:
     if not buckets or buckets[0] < 1:
         raise PolicyError(f"bad --buckets {text!r}: sizes must be >= 1")
     return buckets
+
+
+def check_buckets(policies: Sequence[Policy], buckets: Sequence[int], flag: str = "--modes") -> None:
+    """Refuse (PolicyError naming what to add to --buckets) the policies these compiled tree sizes
+    cannot run: fixed:N with no bucket N, bastion-paper with no bucket of at least S_MIN nodes. The CLIs
+    call it before loading anything, so a bad mode costs no minutes of loading and calibration.
+    `flag`: the option that named the policies, for the message."""
+    now = f"now {','.join(map(str, buckets))}"
+    missing = sorted({q.size for q in policies if q.kind == "fixed"} - set(buckets))
+    if missing:
+        raise PolicyError(f"{flag} {','.join(f'fixed:{n}' for n in missing)} needs bucket(s) "
+                          f"{','.join(map(str, missing))}: add them to --buckets ({now}; bastion's trees then "
+                          "hold the largest)")
+    if any(q.kind == "bastion-paper" for q in policies):
+        try:
+            paper_buckets(max(buckets))
+        except ValueError as e:
+            raise PolicyError(f"{e}: add one to --buckets ({now})") from None
 
 
 def last_rows(active: np.ndarray, remaining: np.ndarray | None, block_size: int) -> np.ndarray:

@@ -278,3 +278,14 @@ class DraftingPays:
 
     def observe(self, *a):
         pass
+
+
+def one_error_line(err: str, *fragments: str) -> str:
+    """The one line a CLI's refusal writes to stderr (`error: ...`, no traceback), checked to hold every
+    fragment; returned for further checks. The project's rule for bad input, asserted by many tests."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
+    assert lines[0].startswith("error: ") and "Traceback" not in err, err
+    for f in fragments:
+        assert f in lines[0], f"{f!r} not in {lines[0]!r}"
+    return lines[0]

@@ -97,35 +97,19 @@ def plan_modes(args, buckets: tuple[int, ...]) -> list[str]:
     """The modes to run, "ar" first, every one parsed and its tree sizes checked against `buckets`, so a
     typo or a size that is no bucket is refused before minutes of loading and calibration, not at
     warm-up. Raises PolicyError (a ValueError) naming the flag and what to change."""
-    from bastion_jax.controller import Policy, PolicyError, parse_buckets
-    from bastion_jax.paper_rule import paper_buckets
+    from bastion_jax.controller import Policy, PolicyError, check_buckets, parse_buckets
 
-    now = f"now {','.join(map(str, buckets))}"
     if args.modes is not None:
         if args.fixed:
             raise PolicyError(f"--fixed {args.fixed} sizes the default modes' sweep; with --modes, name its sizes "
                               "there (fixed:N)")
-        policies = [Policy.parse(m.strip()) for m in args.modes.split(",") if m.strip()]
-        modes = ["ar"] + [str(q) for q in dict.fromkeys(policies) if q.kind != "ar"]
-        for q in policies:
-            if q.kind == "fixed" and q.size not in buckets:
-                raise PolicyError(f"--modes {q} needs bucket {q.size}: add it to --buckets ({now}; bastion's trees "
-                                  "then hold the largest)")
+        policies = list(dict.fromkeys(Policy.parse(m.strip()) for m in args.modes.split(",") if m.strip()))
     else:
         sweep = parse_buckets(args.fixed) if args.fixed else tuple(n for n in (4, 16, 64) if n in buckets)
-        missing = sorted(set(sweep) - set(buckets))
-        if missing:
-            raise PolicyError(f"--fixed {','.join(map(str, sweep))} needs buckets {','.join(map(str, missing))}: "
-                              f"add them to --buckets ({now}; bastion's trees then hold the largest)")
-        modes = ["ar", "dflash"] + [f"fixed:{n}" for n in sweep] + ["bastion"]
-        if max(buckets) >= 32:
-            modes.append("bastion-paper")
-    if "bastion-paper" in modes:
-        try:
-            paper_buckets(max(buckets))
-        except ValueError as e:
-            raise PolicyError(f"{e}: add one to --buckets ({now})") from None
-    return modes
+        policies = [Policy.parse(m) for m in ["dflash", *(f"fixed:{n}" for n in sweep), "bastion"]
+                    + (["bastion-paper"] if max(buckets) >= 32 else [])]
+    check_buckets(policies, buckets, "--modes" if args.modes is not None else "--fixed")
+    return ["ar"] + [str(q) for q in policies if q.kind != "ar"]
 
 
 def main(argv: list[str] | None = None) -> int:

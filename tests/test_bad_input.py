@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from bastion_jax import generate
+from bastion_jax.testing import one_error_line
 from checkpoints_convert.__main__ import main as convert_main
 
 _WORDS = [f"w{i}" for i in range(40)]
@@ -63,17 +64,6 @@ def _hf_copy(_tiny, tmp_path) -> Path:
     return Path(shutil.copytree(_tiny["hf"], tmp_path / "src"))
 
 
-def _one_error_line(err: str, *fragments: str) -> str:
-    lines = err.splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
-    line = lines[0]
-    assert line.startswith("error: "), line
-    assert "Traceback" not in line
-    for f in fragments:
-        assert f in line, f"{f!r} not in {line!r}"
-    return line
-
-
 def _convert(capsys, src: Path, out: Path, *fragments: str) -> str:
     """Run the converter CLI, expect failure: status 2, one error line, no output directory made."""
     existed = out.exists()
@@ -84,7 +74,7 @@ def _convert(capsys, src: Path, out: Path, *fragments: str) -> str:
     assert cap.out == ""
     if not existed:
         assert not out.exists(), "a failed conversion must not leave an output directory"
-    return _one_error_line(cap.err, *fragments)
+    return one_error_line(cap.err, *fragments)
 
 
 def _rewrite_safetensors(directory: Path, edit) -> None:
@@ -174,7 +164,7 @@ def test_convert_garbage_gguf(capsys, tmp_path, garbage):
     ("generation-config-not-object", ("generation_config.json", "expected a JSON object")),
     ("output-is-a-file", ("exists and is not a directory",)),
 ])
-def test_convert_malformed_config_or_output_path_is_one_error_line(capsys, _hf_copy, tmp_path, case, fragments):
+def test_convert_malformed_config_or_output_path_isone_error_line(capsys, _hf_copy, tmp_path, case, fragments):
     out = tmp_path / "out"
     cfg = json.loads((_hf_copy / "config.json").read_text())
     if case == "config-not-object":
@@ -206,7 +196,7 @@ def test_generate_nonexistent_target(capsys, tmp_path):
     rc, out, err = _generate(capsys, "--target", str(tmp_path / "nope"), "--no-chat", "w1 w2")
     assert rc == 2
     assert out == ""
-    _one_error_line(err, "not found", "nope")
+    one_error_line(err, "not found", "nope")
 
 
 def test_generate_prompt_longer_than_cache(capsys, _tiny):
@@ -215,7 +205,7 @@ def test_generate_prompt_longer_than_cache(capsys, _tiny):
                              "--max-new-tokens", "2", "--quiet", prompt)
     assert rc == 2, err
     assert out == ""
-    line = _one_error_line(err, "cache", "12 tokens", "8")
+    line = one_error_line(err, "cache", "12 tokens", "8")
     assert "--max-len" in line  # tells the user how to fix it
 
 
@@ -234,7 +224,7 @@ def test_generate_system_message_without_a_chat_template_is_refused(capsys, _tin
     rc, out, err = _generate(capsys, "--target", str(_tiny["ours"]), "--system", "be brief", "--max-len", "16",
                              "--max-new-tokens", "2", "--quiet", "w1 w2")
     assert rc == 2 and out == ""
-    _one_error_line(err, "system message", "chat template", "this tokenizer does not have")
+    one_error_line(err, "system message", "chat template", "this tokenizer does not have")
 
 
 def test_generate_max_len_too_small_for_the_answer(capsys, _tiny):
@@ -243,14 +233,14 @@ def test_generate_max_len_too_small_for_the_answer(capsys, _tiny):
     rc, out, err = _generate(capsys, "--target", str(_tiny["ours"]), "--no-chat", "--max-len", "16",
                              "--max-new-tokens", "8", "--quiet", prompt)
     assert rc == 2 and out == ""
-    _one_error_line(err, "--max-len 16", "(12 tokens)", "8 new tokens", "0 slots", "= 20")
+    one_error_line(err, "--max-len 16", "(12 tokens)", "8 new tokens", "0 slots", "= 20")
 
 
 def test_generate_block_size_without_random_drafter(capsys, tmp_path):
     # Refused before anything is loaded (the target does not exist).
     rc, out, err = _generate(capsys, "--target", str(tmp_path / "nope"), "--block-size", "4", "w1")
     assert rc == 2 and out == ""
-    _one_error_line(err, "--block-size", "--drafter random")
+    one_error_line(err, "--block-size", "--drafter random")
 
 
 @pytest.mark.parametrize("k", ["0", "-1"])
@@ -259,7 +249,7 @@ def test_generate_tree_top_k_below_one(capsys, tmp_path, k):
     # deep inside top_k after the models had loaded.
     rc, out, err = _generate(capsys, "--target", str(tmp_path / "nope"), "--tree-top-k", k, "w1")
     assert rc == 2 and out == ""
-    _one_error_line(err, "--tree-top-k must be >= 1", f"got {k}")
+    one_error_line(err, "--tree-top-k must be >= 1", f"got {k}")
 
 
 def test_engine_refuses_tree_top_k_below_one(_tiny):
@@ -281,7 +271,7 @@ def test_generate_empty_prompt(capsys, monkeypatch, tmp_path, argv, stdin):
     rc, out, err = _generate(capsys, "--target", str(tmp_path / "nope"), *argv)
     assert rc == 2
     assert out == ""
-    line = _one_error_line(err)
+    line = one_error_line(err)
     assert str(tmp_path) not in line  # about the prompt, not the (never opened) target
     assert "prompt" in line
 
@@ -293,16 +283,16 @@ def test_generate_empty_prompt(capsys, monkeypatch, tmp_path, argv, stdin):
     (["--bogus"], ("unrecognized arguments", "--bogus")),
     (["--cond-depths", "1"], ("--cond-depths", "'1'", "N >= 2")),
 ])
-def test_generate_refused_flag_is_one_error_line(capsys, argv, fragments):
+def test_generate_refused_flag_isone_error_line(capsys, argv, fragments):
     """A value argparse refuses is one line too (its own error printed the whole usage block first)."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         generate.main([*argv, "w1 w2"])
     assert e.value.code == 2
-    _one_error_line(capsys.readouterr().err, *fragments, "python -m bastion_jax.generate --help")
+    one_error_line(capsys.readouterr().err, *fragments, "python -m bastion_jax.generate --help")
 
 
-def test_convert_and_trainer_refused_flags_are_one_error_line(capsys):
+def test_convert_and_trainer_refused_flags_areone_error_line(capsys):
     from bastion_jax.train_drafter import main as train_main
 
     for run, argv, fragments in ((convert_main, [], ("required", "src")),
@@ -311,7 +301,7 @@ def test_convert_and_trainer_refused_flags_are_one_error_line(capsys):
         with pytest.raises(SystemExit) as e:
             run(argv)
         assert e.value.code == 2
-        _one_error_line(capsys.readouterr().err, *fragments)
+        one_error_line(capsys.readouterr().err, *fragments)
 
 
 def test_failed_restore_silences_only_its_abandoned_reads(monkeypatch, _tiny):
@@ -380,7 +370,7 @@ def test_generate_cond_head_on_without_a_head_is_refused(capsys, _tiny, drafter,
     rc, out, err = _generate(capsys, "--target", str(_tiny["ours"]), "--drafter", drafter, "--cond-head", "on",
                              "--no-chat", "--quiet", "--max-new-tokens", "2", "w1 w2")
     assert rc == 2 and out == ""
-    _one_error_line(err, "--cond-head on", fragment)
+    one_error_line(err, "--cond-head on", fragment)
 
 
 def test_profile_cond_head_on_with_random_models_is_refused(capsys, tmp_path):
@@ -391,10 +381,10 @@ def test_profile_cond_head_on_with_random_models_is_refused(capsys, tmp_path):
     rc = profile.main(["--arch", "smollm2-135m", "--layers", "1", "--cond-head", "on", "--contexts", "16",
                        "--buckets", "1,4", "--quiet", "--out-dir", str(tmp_path)])
     assert rc == 2
-    _one_error_line(capsys.readouterr().err, "--cond-head on", "random drafter")
+    one_error_line(capsys.readouterr().err, "--cond-head on", "random drafter")
 
 
-def test_generate_truncated_params_is_one_error_line(_tiny, tmp_path):
+def test_generate_truncated_params_isone_error_line(_tiny, tmp_path):
     """A converted checkpoint whose weights file lost its end: one line, and nothing after it.
 
     Run as a separate process, since what went wrong came after the error line: orbax's reads still
@@ -410,7 +400,7 @@ def test_generate_truncated_params_is_one_error_line(_tiny, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stdout == ""
-    _one_error_line(done.stderr, "corrupt or incompatible checkpoint", "ckpt")
+    one_error_line(done.stderr, "corrupt or incompatible checkpoint", "ckpt")
 
 
 @pytest.mark.parametrize("case,fragments", [
@@ -419,7 +409,7 @@ def test_generate_truncated_params_is_one_error_line(_tiny, tmp_path):
     ("unknown-dtype", ("unknown dtype", "'float33'")),
     ("no-dtype", ("names no dtype",)),
 ])
-def test_generate_malformed_checkpoint_is_one_error_line(capsys, _tiny, tmp_path, case, fragments):
+def test_generate_malformed_checkpoint_isone_error_line(capsys, _tiny, tmp_path, case, fragments):
     """A converted checkpoint with a damaged config.json is refused with one line naming it."""
     ckpt = Path(shutil.copytree(_tiny["ours"], tmp_path / "ckpt"))
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -435,7 +425,7 @@ def test_generate_malformed_checkpoint_is_one_error_line(capsys, _tiny, tmp_path
         (ckpt / "config.json").write_text(json.dumps(cfg))
     rc, out, err = _generate(capsys, "--target", str(ckpt), "--no-chat", "--quiet", "w1 w2")
     assert rc == 2 and out == ""
-    _one_error_line(err, "ckpt", *fragments)
+    one_error_line(err, "ckpt", *fragments)
 
 
 @pytest.mark.parametrize("argv,fragments", [
@@ -451,7 +441,7 @@ def test_generate_contradictory_flags_are_refused(capsys, _tiny, argv, fragments
                           "--no-calibrate", *argv, "w1 w2"]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    _one_error_line(err, *fragments)
+    one_error_line(err, *fragments)
 
 
 def _truncated_npz(tmp_path):
@@ -464,13 +454,13 @@ def _truncated_npz(tmp_path):
 
 
 @pytest.mark.parametrize("command", [["pack", "--out", "x.jsonl"], ["datastore", "--out", "x.npz"]])
-def test_trainer_truncated_packed_file_is_one_error_line(capsys, tmp_path, command):
+def test_trainer_truncated_packed_file_isone_error_line(capsys, tmp_path, command):
     from bastion_jax.train_drafter import main as train_main
 
     bad = _truncated_npz(tmp_path)
     capsys.readouterr()
     assert train_main([command[0], "--data", str(bad), *command[1:]]) == 2
-    _one_error_line(capsys.readouterr().err, str(bad), "not a packed token file")
+    one_error_line(capsys.readouterr().err, str(bad), "not a packed token file")
 
 
 def test_truncated_datastore_is_one_error(tmp_path):
@@ -488,11 +478,11 @@ def test_pack_refuses_records_without_token_lists_and_ids_beyond_its_vocabulary(
     wrong.write_text('{"prompt": "a prompt file, not training data"}\n')
     capsys.readouterr()
     assert train_main(["pack", "--data", str(wrong), "--out", str(tmp_path / "x.npz")]) == 2
-    _one_error_line(capsys.readouterr().err, "record 1", "prompt_ids")
+    one_error_line(capsys.readouterr().err, "record 1", "prompt_ids")
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt_ids": [1, 2], "response_ids": [300]}\n')
     assert train_main(["pack", "--data", str(data), "--out", str(tmp_path / "y.npz"), "--vocab-size", "100"]) == 2
-    _one_error_line(capsys.readouterr().err, "[1, 300]", "vocabulary of 100")
+    one_error_line(capsys.readouterr().err, "[1, 300]", "vocabulary of 100")
     assert not (tmp_path / "y.npz").exists()
 
 
@@ -500,28 +490,28 @@ def test_pack_refuses_records_without_token_lists_and_ids_beyond_its_vocabulary(
     (["train", "--data", "x.npz", "--out", "o", "--lr=-1"], ("--lr", "'-1'", "> 0")),
     (["data", "--num", "0", "--out", "x.jsonl"], ("--num", "'0'")),
 ])
-def test_trainer_refused_values_are_one_error_line(capsys, argv, fragments):
+def test_trainer_refused_values_areone_error_line(capsys, argv, fragments):
     from bastion_jax.train_drafter import main as train_main
 
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         train_main(argv)
     assert e.value.code == 2
-    _one_error_line(capsys.readouterr().err, *fragments)
+    one_error_line(capsys.readouterr().err, *fragments)
 
 
 @pytest.mark.parametrize("argv,fragments", [
     (["--matmul-n=-3"], ("--matmul-n", "'-3'")),
     (["--copy-mib", "0"], ("--copy-mib", "'0'")),
 ])
-def test_profile_refused_probe_sizes_are_one_error_line(capsys, argv, fragments):
+def test_profile_refused_probe_sizes_areone_error_line(capsys, argv, fragments):
     from bastion_jax.profile import main as profile_main
 
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         profile_main(["--arch", "smollm2-135m", "--layers", "1", *argv])
     assert e.value.code == 2
-    _one_error_line(capsys.readouterr().err, *fragments)
+    one_error_line(capsys.readouterr().err, *fragments)
 
 
 def test_profile_refuses_drafter_files_with_random_models(capsys, tmp_path):
@@ -530,4 +520,4 @@ def test_profile_refuses_drafter_files_with_random_models(capsys, tmp_path):
     capsys.readouterr()
     assert profile_main(["--arch", "smollm2-135m", "--layers", "1", "--datastore", str(tmp_path / "d.npz"),
                          "--out-dir", str(tmp_path)]) == 2
-    _one_error_line(capsys.readouterr().err, "--datastore", "--arch builds a random drafter")
+    one_error_line(capsys.readouterr().err, "--datastore", "--arch builds a random drafter")

@@ -132,4 +132,4 @@ def test_a_fixed_size_that_is_no_bucket_is_refused_in_one_line(tmp_path, capsys)
                   "--out-dir", str(tmp_path / "out"), "--dtype", "float32"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "--fixed 4,16 needs buckets 16" in err and "now 1,4,8" in err
+    assert "--fixed fixed:16 needs bucket(s) 16" in err and "now 1,4,8" in err

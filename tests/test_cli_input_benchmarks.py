@@ -12,18 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from bastion_jax.testing import one_error_line
 from benchmarks import run
 
 NOPE = "/nonexistent/bastion-target"
-
-
-def _one_error_line(err: str, *fragments: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
-    assert lines[0].startswith("error: ") and "Traceback" not in err, err
-    for f in fragments:
-        assert f in lines[0], f"{f!r} not in {lines[0]!r}"
-    return lines[0]
 
 
 def _refused(capsys, main, argv: list[str], *fragments: str) -> str:
@@ -34,7 +26,7 @@ def _refused(capsys, main, argv: list[str], *fragments: str) -> str:
     except SystemExit as e:
         rc = e.code
     assert rc == 2
-    return _one_error_line(capsys.readouterr().err, *fragments)
+    return one_error_line(capsys.readouterr().err, *fragments)
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +45,10 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("argv,fragments", [
     (["--modes", "foo"], ("unknown mode 'foo'",)),
     (["--modes", "dflash,fixed:x"], ("fixed:N with an integer N",)),
-    (["--modes", "fixed:7"], ("--modes fixed:7 needs bucket 7", "now 1,4,8")),
+    (["--modes", "fixed:7"], ("--modes fixed:7 needs bucket(s) 7", "now 1,4,8")),
     (["--modes", "bastion-paper"], ("bastion-paper needs a bucket of at least 32", "--buckets")),
     (["--modes", "bastion", "--fixed", "4"], ("--fixed 4", "with --modes")),
-    (["--fixed", "4,16"], ("--fixed 4,16 needs buckets 16",)),
+    (["--fixed", "4,16"], ("--fixed fixed:16 needs bucket(s) 16",)),
     (["--buckets", "abc"], ("bad --buckets 'abc'",)),
     (["--buckets", "0"], ("bad --buckets '0'", ">= 1")),
     (["--max-new-tokens", "0"], ("--max-new-tokens", "'0'")),

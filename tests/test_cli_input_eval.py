@@ -11,6 +11,7 @@ import pytest
 
 from bastion_jax.acceptance_cli import eval_buckets
 from bastion_jax.controller import default_buckets
+from bastion_jax.testing import one_error_line
 from bastion_jax.train_drafter import main
 
 
@@ -34,15 +35,6 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     return {"hf": root / "hf", "drafter": root / "drafter", "prompts": root / "p.jsonl"}
 
 
-def _one_error_line(err: str, *fragments: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
-    assert lines[0].startswith("error: ") and "Traceback" not in err, err
-    for f in fragments:
-        assert f in lines[0], f"{f!r} not in {lines[0]!r}"
-    return lines[0]
-
-
 def test_default_buckets_are_the_devices_plus_each_fixed_size():
     assert eval_buckets(["dflash", "bastion"], None) == default_buckets()
     assert eval_buckets(["dflash", "fixed:32", "bastion"], None) == tuple(sorted({*default_buckets(), 32}))
@@ -61,11 +53,11 @@ def test_bad_modes_and_buckets_are_refused_while_parsing(capsys, argv, fragments
     with pytest.raises(SystemExit) as e:
         main(["eval", "--target", "/nonexistent/target", *argv])
     assert e.value.code == 2
-    _one_error_line(capsys.readouterr().err, *fragments)
+    one_error_line(capsys.readouterr().err, *fragments)
 
 
 @pytest.mark.parametrize("argv,fragments", [
-    (["--modes", "dflash,fixed:32", "--buckets", "1,4,8"], ("fixed:32 needs bucket(s) 32", "now 1,4,8")),
+    (["--modes", "dflash,fixed:32", "--buckets", "1,4,8"], ("--modes fixed:32 needs bucket(s) 32", "now 1,4,8")),
     (["--modes", "bastion-paper"], ("bastion-paper needs a bucket of at least 32", "--buckets")),
 ])
 def test_a_mode_its_buckets_cannot_run_is_refused_before_the_drafter_loads(capsys, tiny, tmp_path, argv, fragments):
@@ -75,7 +67,7 @@ def test_a_mode_its_buckets_cannot_run_is_refused_before_the_drafter_loads(capsy
     rc = main(["eval", "--target", str(tiny["hf"]), "--drafter", str(tmp_path / "nope"), "--prompts",
                str(tiny["prompts"]), "--quiet", *argv])
     assert rc == 2
-    line = _one_error_line(capsys.readouterr().err, *fragments)  # (--quiet: no "loaded ..." progress line)
+    line = one_error_line(capsys.readouterr().err, *fragments)  # (--quiet: no "loaded ..." progress line)
     assert "not found" not in line
 
 
