@@ -180,8 +180,13 @@ def measure(args, prompts: list[tuple[str, str]], buckets: tuple[int, ...], mode
     longest = max(map(len, ids))
     # One cache length for every mode (the largest slack, the tree's), so all pay the same attention cost.
     cache_len = engine.cache_len_for([longest], args.max_new_tokens, None, engine.slack("bastion"))
+    prices = None
     if not args.no_calibrate:
         engine.calibrate(cache_len, sampling, batch=args.batch)
+        # The fit each run measured (ms per step at context 256): runs differ by what their calibration
+        # read as much as by anything else (the gate held 623 of ~830 chat steps after one, 263-303
+        # after others), so the prices travel with the numbers.
+        prices = {str(v): round(engine.latency.predict(v, 256) * 1e3, 2) for v in engine.latency.alpha}
     device = jax.devices()[0].device_kind
     # Warm-up, untimed: every mode compiles and runs once at the measured shapes, so no mode's first
     # timed prompt pays for compilation or first-run allocations.
@@ -249,7 +254,8 @@ def measure(args, prompts: list[tuple[str, str]], buckets: tuple[int, ...], mode
             "cond_head_rank": drafter.config.cond_head_rank if drafter is not None else 0,
             "cond_head_recurrent": drafter is not None and drafter.config.cond_head_recurrent,
             "cond_depths": engine.cond_depths,
-            "cond_candidates": engine.cond_candidates}
+            "cond_candidates": engine.cond_candidates,
+            "calibrated_step_ms_at_256": prices}
     training = Path(args.drafter) / "training.json"
     if training.is_file():  # how the drafter was trained travels with its numbers
         meta["drafter_training"] = json.loads(training.read_text())

@@ -21,6 +21,8 @@ def test_harness_writes_results_and_all_modes_match_ar(tmp_path):
     data = json.loads((tmp_path / "out" / "tiny.json").read_text())
     assert set(data["overall"]) == {"ar", "dflash", "fixed:4", "fixed:8", "bastion"}
     assert data["meta"]["prompts"] == 2 and data["meta"]["device"] and data["meta"]["reps"] == 2
+    prices = data["meta"]["calibrated_step_ms_at_256"]  # the fit this run's choices were made on
+    assert {"ar", "ar+draft", "4", "8"} <= set(prices) and all(v > 0 for v in prices.values())
     assert all(r["identical_to_ar"] for r in data["rows"])
     assert all(r["compilations_after_warmup"] == 0 for r in data["rows"])
     assert data["overall"]["ar"]["ratio_to_ar"] == 1.0
