@@ -198,7 +198,7 @@ class Engine:
         return (self.block_size or 0) if kind == "dflash" else self.tree_slack()
 
     def calibrate(self, cache_len: int, sampling: SamplingConfig = SamplingConfig(),
-                  contexts: Sequence[int] | None = None, reps: int = 5,
+                  contexts: Sequence[int] | None = None, reps: int = warmup.CALIBRATION_REPS,
                   batch: int = 1, prompt_bucket: int = 16) -> list[tuple[int | str, int, float]]:
         """Offline calibration (`warmup.calibrate`): time every bucket's step, the root (AR) step with and
         without a draft and the steps that verify a held lookup chain at a few context lengths, with

@@ -60,6 +60,13 @@ def tree_variants(engine: "Engine", batch: int, cache_len: int, sampling: Sampli
     return prefill, variants
 
 
+# Timings per calibrated point. Six back-to-back calibrations on a quiet 2-core CPU put the price of
+# a bucket-8 step at 1.73-1.98 AR steps with 5 (the gate's decisions turn on such ratios, and one run
+# of four held 623 of ~830 chat steps after its fit, `benchmarks/results/cpu-smollm2-bucket2-ab-2026-12-06.md`),
+# and at 1.80-1.89 with 15, for ~9 s more per calibration (the CLI calibrates once per setting).
+CALIBRATION_REPS = 15
+
+
 def calibrate(engine: "Engine", cache_len: int, sampling: SamplingConfig, contexts: Sequence[int] | None,
               reps: int, batch: int, prompt_bucket: int = 16) -> list[tuple[int | str, int, float]]:
     """`Engine.calibrate`: the median of `reps` timings of every priced variant (`tree_variants` less
