@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from bastion_jax.acceptance_cli import add_eval_parser, run_eval
-from bastion_jax.cli import Parser, fail, positive_int, stderr_log, use_compilation_cache
+from bastion_jax.cli import Parser, block_size_arg, fail, positive_int, stderr_log, use_compilation_cache
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEFAULT_SOURCES = ("gsm8k_train.jsonl.gz", "code_alpaca_2k.jsonl.gz")
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-taps", type=positive_int, help="target layers tapped for features (default: max(layers, "
                    "3); with --init: the init's own, and a larger N whose DFlash taps contain them widens it, the new "
                    "taps' fc columns starting at zero)")
-    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--block-size", type=block_size_arg, help="drafter block size (default 16; with --init, its own)")
     t.add_argument("--intermediate-size", type=int, help="drafter MLP width (default: the target's)")
     t.add_argument("--mask-token-id", type=int, help="token whose embedding marks masked slots (default: vocab-1)")
     t.add_argument("--steps", type=int, default=2000)
@@ -193,7 +193,7 @@ def drafter_config(target_cfg, args):
     from bastion_jax.dflash_config import DrafterConfig
 
     layers = 2 if args.layers is None else args.layers
-    return DrafterConfig.for_target(target_cfg, num_layers=layers, block_size=args.block_size,
+    return DrafterConfig.for_target(target_cfg, num_layers=layers, block_size=args.block_size or 16,
                                     num_taps=args.num_taps or max(layers, 3),
                                     intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id)
 
@@ -292,6 +292,8 @@ def run_train(args, target, log) -> None:
         # (its conditioned head too, if it has one: it trains with the drafter, whatever the backend)
         drafter = load_drafter(args.init, target.config, jnp.float32, scan_layers=False, cond_head=True)
         init_cfg = drafter.config  # before growing or widening (the init note says what changed)
+        if args.block_size not in (None, init_cfg.block_size):  # fixed by the drafter's training: not ignored
+            raise ValueError(f"--block-size {args.block_size} differs from --init's block size {init_cfg.block_size}")
         if args.layers is not None:
             drafter = grow(drafter, args.layers)
         if args.num_taps is not None:

@@ -42,3 +42,33 @@ def test_training_json_records_device_date_step_and_time_across_resumes(tmp_path
     assert second["seconds_total"] > second["seconds"] and second["seconds_total"] >= first["seconds"]
     for key in ("train_config", "data", "target", "init", "seconds", "best_validation", "vocab_ranking"):
         assert key in second  # the keys it had before are kept
+
+
+def test_a_block_size_other_than_the_inits_is_refused(tmp_path, capsys):
+    """A drafter's block size is fixed by its training: --block-size beside an --init of another size
+    was silently ignored (its default, 16, always was); now it is refused, and below 2 while parsing."""
+    import pytest
+    from flax import nnx
+
+    from bastion_jax.checkpoints import load_target, random_drafter, save_drafter
+    from bastion_jax.testing import one_error_line, save_tiny_hf, tiny_drafter_config
+    from bastion_jax.train_drafter import main
+
+    save_tiny_hf("qwen3", tmp_path / "hf")
+    target = load_target(tmp_path / "hf")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=4), target.dtype)
+    (tmp_path / "init").mkdir()
+    save_drafter(tmp_path / "init", drafter.config, nnx.to_pure_dict(drafter.state))
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt_ids": [4, 5, 6], "response_ids": [7 + i, 8, 9, 10, 11, 12]}) + "\n"
+                            for i in range(6)))
+    run = ["train", "--target", str(tmp_path / "hf"), "--quiet", "--data", str(data), "--out", str(tmp_path / "run"),
+           "--init", str(tmp_path / "init"), "--steps", "1", "--seq-len", "16", "--anchors", "4", "--held-out", "2"]
+    capsys.readouterr()
+    assert main([*run, "--block-size", "8"]) == 2
+    one_error_line(capsys.readouterr().err, "--block-size 8 differs from --init's block size 4")
+    with pytest.raises(SystemExit) as e:
+        main([*run, "--block-size", "1"])
+    assert e.value.code == 2
+    one_error_line(capsys.readouterr().err, "--block-size", ">= 2")
+
