@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from bastion_jax.acceptance_cli import add_eval_parser, run_eval
+from bastion_jax.acceptance_cli import add_eval_parser, eval_buckets, run_eval
 from bastion_jax.cli import Parser, block_size_arg, fail, positive_int, stderr_log, use_compilation_cache
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -394,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_pack(args, log)
         if args.command == "datastore":
             return run_datastore(args, log)
+        if args.command == "eval":  # modes the buckets cannot run: refused before the target loads
+            eval_buckets(args.modes, args.buckets)
         path = args.target or default_target_dir(verbose=not args.quiet)
         target = load_target(path, resolve_dtype(args.dtype))
         log(f"loaded {path} ({target.dtype.name}: {dtype_note(args.dtype)})")

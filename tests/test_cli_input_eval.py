@@ -60,11 +60,11 @@ def test_bad_modes_and_buckets_are_refused_while_parsing(capsys, argv, fragments
     (["--modes", "dflash,fixed:32", "--buckets", "1,4,8"], ("--modes fixed:32 needs bucket(s) 32", "now 1,4,8")),
     (["--modes", "bastion-paper"], ("bastion-paper needs a bucket of at least 32", "--buckets")),
 ])
-def test_a_mode_its_buckets_cannot_run_is_refused_before_the_drafter_loads(capsys, tiny, tmp_path, argv, fragments):
-    """The drafter does not exist: a check made after loading it (or after calibrating, as before)
-    would report that instead."""
+def test_a_mode_its_buckets_cannot_run_is_refused_before_anything_loads(capsys, tiny, tmp_path, argv, fragments):
+    """Neither the target nor the drafter exists: a check made after loading them (or after
+    calibrating, as before) would report that instead."""
     capsys.readouterr()
-    rc = main(["eval", "--target", str(tiny["hf"]), "--drafter", str(tmp_path / "nope"), "--prompts",
+    rc = main(["eval", "--target", str(tmp_path / "no-target"), "--drafter", str(tmp_path / "nope"), "--prompts",
                str(tiny["prompts"]), "--quiet", *argv])
     assert rc == 2
     line = one_error_line(capsys.readouterr().err, *fragments)  # (--quiet: no "loaded ..." progress line)
