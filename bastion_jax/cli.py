@@ -56,6 +56,9 @@ def positive_int(text: str) -> int:
     return n
 
 
+DEFAULT_BLOCK_SIZE = 16  # of a drafter built at random (--drafter random, profile --target, train)
+
+
 def block_size_arg(text: str) -> int:
     """argparse type for --block-size (generate, profile, benchmarks): a block holds its anchor and at least
     one drafted slot, so a value below 2 is refused while parsing instead of quietly becoming the default."""

@@ -8,12 +8,11 @@ import sys
 import time
 
 from bastion_jax.calibration import calibration_model, load_or_calibrate
-from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, add_sampling_flags, block_size_arg,
-                             check_block_size, check_cond_head, dtype_note, fail, positive_int, resolve_cond_head,
-                             resolve_dtype, resolve_lookup, stderr_log, use_compilation_cache)
+from bastion_jax.cli import (DEFAULT_BLOCK_SIZE, Parser, add_cond_head_flags, add_lookup_flag, add_sampling_flags,
+                             block_size_arg, check_block_size, check_cond_head, dtype_note, fail, positive_int,
+                             resolve_cond_head, resolve_dtype, resolve_lookup, stderr_log, use_compilation_cache)
 
 DEFAULT_PROMPT_HELP = "With no --target, the embedded SmolLM2-135M-Instruct is used."
-DEFAULT_BLOCK_SIZE = 16  # of a --drafter random
 WARMUP_TOKENS = 8  # new tokens of each untimed --compare-ar warm-up run
 
 

@@ -19,8 +19,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, block_size_arg, check_block_size,
-                             check_cond_head, fail, positive_int, resolve_cond_head, resolve_lookup, stderr_log)
+from bastion_jax.cli import (DEFAULT_BLOCK_SIZE, Parser, add_cond_head_flags, add_lookup_flag, block_size_arg,
+                             check_block_size, check_cond_head, fail, positive_int, resolve_cond_head, resolve_lookup,
+                             stderr_log)
 from bastion_jax.controller import PolicyError, default_buckets, parse_buckets
 from bastion_jax.profile_report import device_meta, markdown, write_outputs
 from bastion_jax.profiler import run_profile
@@ -202,7 +203,7 @@ def setup(args, log=lambda msg: None) -> Setup:
         target = load_target(args.target, dtype, scan_layers=scan)
         drafter_arg = args.drafter or "random"
         if drafter_arg == "random":
-            block = 16 if args.block_size is None else args.block_size
+            block = DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size
             drafter = random_drafter(tiny_drafter_config(target.config, block_size=block), target.dtype, args.seed)
         else:
             drafter = load_drafter(drafter_arg, target.config, target.dtype,

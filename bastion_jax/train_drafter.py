@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from bastion_jax.acceptance_cli import add_eval_parser, eval_buckets, run_eval
-from bastion_jax.cli import Parser, block_size_arg, fail, positive_int, stderr_log, use_compilation_cache
+from bastion_jax.cli import (DEFAULT_BLOCK_SIZE, Parser, block_size_arg, fail, positive_int, stderr_log,
+                             use_compilation_cache)
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEFAULT_SOURCES = ("gsm8k_train.jsonl.gz", "code_alpaca_2k.jsonl.gz")
@@ -94,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-taps", type=positive_int, help="target layers tapped for features (default: max(layers, "
                    "3); with --init: the init's own, and a larger N whose DFlash taps contain them widens it, the new "
                    "taps' fc columns starting at zero)")
-    t.add_argument("--block-size", type=block_size_arg, help="drafter block size (default 16; with --init, its own)")
+    t.add_argument("--block-size", type=block_size_arg,
+                   help=f"drafter block size (default {DEFAULT_BLOCK_SIZE}; with --init, its own)")
     t.add_argument("--intermediate-size", type=int, help="drafter MLP width (default: the target's)")
     t.add_argument("--mask-token-id", type=int, help="token whose embedding marks masked slots (default: vocab-1)")
     t.add_argument("--steps", type=int, default=2000)
@@ -193,7 +195,7 @@ def drafter_config(target_cfg, args):
     from bastion_jax.dflash_config import DrafterConfig
 
     layers = 2 if args.layers is None else args.layers
-    return DrafterConfig.for_target(target_cfg, num_layers=layers, block_size=args.block_size or 16,
+    return DrafterConfig.for_target(target_cfg, num_layers=layers, block_size=args.block_size or DEFAULT_BLOCK_SIZE,
                                     num_taps=args.num_taps or max(layers, 3),
                                     intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id)
 

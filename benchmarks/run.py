@@ -20,8 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-from bastion_jax.cli import (Parser, add_cond_head_flags, add_lookup_flag, add_sampling_flags, block_size_arg,
-                             check_block_size, check_cond_head, fail, head_setting_words, positive_int,
+from bastion_jax.cli import (DEFAULT_BLOCK_SIZE, Parser, add_cond_head_flags, add_lookup_flag, add_sampling_flags,
+                             block_size_arg, check_block_size, check_cond_head, fail, head_setting_words, positive_int,
                              resolve_cond_head, use_compilation_cache)
 from bastion_jax.acceptance import STANDARD_SETS, PromptError, read_prompts, resolve_prompt_file
 from benchmarks.report import commit, markdown_table, per_set, plot, write_csv
@@ -166,7 +166,7 @@ def measure(args, prompts: list[tuple[str, str]], buckets: tuple[int, ...], mode
     target = load_target(target_path, resolve_dtype(args.dtype))
     tok = load_tokenizer(target)
     if args.drafter == "random":
-        block = 16 if args.block_size is None else args.block_size
+        block = DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size
         drafter = random_drafter(tiny_drafter_config(target.config, block_size=block), target.dtype)
     else:
         drafter = load_drafter(args.drafter, target.config, target.dtype,
