@@ -139,11 +139,15 @@ class ModelDims:
         return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                    cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, bytes_per_value)
 
+    def head(self, head_rows: int | None) -> int:
+        """LM-head rows a forward scores: `head_rows` (a reduced draft vocabulary), None: the vocabulary."""
+        return self.vocab if head_rows is None else head_rows
+
     def flops(self, s: int, c: int, batch: int = 1, head_rows: int | None = None) -> float:
         """FLOPs of an s-token forward over c cached tokens (projections, attention, MLP, LM head) in
-        each of `batch` rows; the LM head scores `head_rows` rows (None: the whole vocabulary)."""
+        each of `batch` rows; the LM head scores `self.head(head_rows)` rows."""
         h, hq, hkv = self.hidden, self.n_q * self.head_dim, self.n_kv * self.head_dim
-        rows = self.vocab if head_rows is None else head_rows
+        rows = self.head(head_rows)
         per_layer = 2 * s * h * hq + 4 * s * h * hkv + 4 * s * (c + s) * hq + 2 * s * hq * h + 6 * s * h * self.ffn
         return batch * (self.layers * per_layer + 2 * s * h * rows)
 
@@ -152,13 +156,13 @@ class ModelDims:
         (None: all). The embedding table is not read whole: a step gathers one row per token (counted
         with the activations), and a tied model's table is read once, as its LM head."""
         h, hq, hkv, f = self.hidden, self.n_q * self.head_dim, self.n_kv * self.head_dim, self.ffn
-        return self.layers * (2 * h * hq + 2 * h * hkv + 3 * h * f) + h * (self.vocab if head_rows is None else head_rows)
+        return self.layers * (2 * h * hq + 2 * h * hkv + 3 * h * f) + h * self.head(head_rows)
 
     def bytes(self, s: int, c: int, batch: int = 1, head_rows: int | None = None) -> float:
         """Bytes moved: weights (read once for the whole batch), then per row KV read + write,
         activations, the gathered embedding rows and the logits (BASTION's closed form)."""
         h, hq, hkv, f, bp = self.hidden, self.n_q * self.head_dim, self.n_kv * self.head_dim, self.ffn, self.bytes_per_value
-        rows = self.vocab if head_rows is None else head_rows
+        rows = self.head(head_rows)
         kv = self.layers * (2 * c * hkv + 2 * s * hkv)
         act = self.layers * (2 * s * h + 4 * s * hq + 2 * s * hkv + 2 * self.n_q * s * (c + s) + 2 * s * h + 4 * s * f)
         return bp * (self.weight_values(head_rows) + batch * (kv + act + s * h + s * rows))
