@@ -5,6 +5,7 @@ import numpy as np
 
 from bastion_jax.datastore import NUM_CLASSES, load_datastore, save_datastore, store_chain
 from bastion_jax.lookup import LookupConfig, find_chain
+from bastion_jax.testing import one_error_line
 from benchmarks.chain_oracle import answer_table, main, runs
 
 
@@ -46,5 +47,4 @@ def test_answer_table_matches_one_position_at_a_time(tmp_path):
 
 def test_a_missing_prompt_file_is_one_error_line(tmp_path, capsys):
     assert main(["--prompts", str(tmp_path / "none.jsonl"), "--out-dir", str(tmp_path)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "none.jsonl" in err and len(err.splitlines()) == 1
+    one_error_line(capsys.readouterr().err, "none.jsonl")

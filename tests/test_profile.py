@@ -13,6 +13,7 @@ import pytest
 
 from bastion_jax import presets, profile
 from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims, measure_copy_bandwidth, measure_matmul_rate
+from bastion_jax.testing import one_error_line
 
 # A CI-sized run: SmolLM2 shapes cut to one target layer, a one-layer drafter with block 4.
 TINY = ["--arch", "smollm2-135m", "--layers", "1", "--drafter-layers", "1", "--block-size", "4",
@@ -177,8 +178,7 @@ def test_saved_peaks_are_adopted_and_old_files_still_load(tmp_path):
 ])
 def test_bad_input_is_one_error_line(capsys, argv, message):
     assert profile.main(argv + ["--quiet"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    one_error_line(capsys.readouterr().err, message)
 
 
 def test_presets_match_the_published_shapes():

@@ -71,12 +71,11 @@ def test_a_given_gamma_is_the_objectives_and_none_the_block_default(converted, t
 def test_cli_refuses_them_in_one_line_before_reading_the_data(tmp_path, capsys, flags, words):
     """The data file named here does not exist: the setting's error comes first, so it is checked
     before the data (and long before a compile)."""
-    from bastion_jax.testing import save_tiny_hf
+    from bastion_jax.testing import one_error_line, save_tiny_hf
     from bastion_jax.train_drafter import main
 
     save_tiny_hf("qwen3", tmp_path / "hf")
     capsys.readouterr()
     assert main(["train", "--target", str(tmp_path / "hf"), "--quiet", "--data", str(tmp_path / "missing.jsonl"),
                  "--out", str(tmp_path / "run"), *flags]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err  # no traceback, no data error
+    one_error_line(capsys.readouterr().err, words)  # no traceback, no data error
