@@ -13,12 +13,12 @@ from flax import nnx
 
 from bastion_jax.modeling.attention import Causal
 from bastion_jax.modeling.cache import KVCache, causal_mask
-from bastion_jax.sampling import argmax, sample
+from bastion_jax.sampling import Sampler, argmax, sample
 from bastion_jax.step_config import StepConfig
 
 
-def prefill_target(target, cache: KVCache, tokens: jax.Array, lengths: jax.Array, key,
-                   greedy: bool, tap_layers: tuple[int, ...]):
+def prefill_target(target, cache: KVCache, tokens: jax.Array, lengths: jax.Array, key: Sampler,
+                   tap_layers: tuple[int, ...]):
     """Prompts right-padded to a bucket [b, t] -> (first token [b], cache, features [b, t, F]).
 
     Writes K/V for all bucket slots (slots >= length hold padding that is masked out and later
@@ -30,28 +30,28 @@ def prefill_target(target, cache: KVCache, tokens: jax.Array, lengths: jax.Array
     out = target(tokens, positions, cache, None, Causal(lengths),  # attended tile by tile up to the prompt
                  tap_layers=tap_layers, logits_index=(lengths - 1)[:, None])
     features = out.taps if out.taps is not None else jnp.zeros((b, t, 1), jnp.float32)
-    return sample(out.logits[:, 0], key, greedy), out.cache, features
+    return sample(out.logits[:, 0], key), out.cache, features
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def prefill(cfg: StepConfig, state: nnx.State, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
-            key: jax.Array):
+            key: Sampler):
     """AR prefill: tokens [batch, bucket] right-padded, lengths [batch] -> (cache, first tokens [batch]).
 
     The AR policy's state is its KV cache: (state, outputs) as every other step returns."""
-    first, cache, _ = prefill_target(nnx.merge(cfg.target_def, state), cache, tokens, lengths, key, cfg.greedy, ())
+    first, cache, _ = prefill_target(nnx.merge(cfg.target_def, state), cache, tokens, lengths, key, ())
     return cache, first
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def decode(cfg: StepConfig, state: nnx.State, cache: KVCache, tokens: jax.Array, lengths: jax.Array, key: jax.Array,
+def decode(cfg: StepConfig, state: nnx.State, cache: KVCache, tokens: jax.Array, lengths: jax.Array, key: Sampler,
            active: jax.Array | None = None):
     """One token per row: tokens [batch] written at slot/position lengths[b] (not for rows with
     `active[b]` False: finished rows of a batch). Returns (cache, next tokens [batch])."""
     model = nnx.merge(cfg.target_def, state)
     out = model(tokens[:, None], lengths[:, None], cache, lengths, causal_mask(tokens.shape[0], 1),
                 active=active)
-    return out.cache, sample(out.logits[:, 0], key, cfg.greedy)
+    return out.cache, sample(out.logits[:, 0], key)
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))

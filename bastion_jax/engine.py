@@ -160,7 +160,7 @@ class Engine:
         self._gate_memory: dict[tuple[int, bool], dict] = {}
         self.latency = latency or self.default_latency_model()
         self._batch_latency: dict[int, LatencyModel] = {}  # models for other batch sizes than self.latency's
-        self.warm: set[int] = set()  # ids of the executables that ran once (`warmup.warm_up`)
+        self.warm: set[tuple[int, bool]] = set()  # (executable id, greedy) run once (`warmup.warm_up`)
 
     def latency_for(self, batch: int) -> LatencyModel:
         """The latency model that prices steps of `batch` rows: `self.latency` when it was made (and
@@ -294,17 +294,17 @@ class Engine:
         if policy.uses_tree:
             step_buckets = ([policy.size] if policy.kind == "fixed" else list(controller.paper_buckets)
                             if policy.kind == "bastion-paper" else self.tree_step_buckets(policy.kind))
-            prefill, steps = exe.tree(batch, bucket, cache_len, sampling, step_buckets)
+            prefill, steps = exe.tree(batch, bucket, cache_len, step_buckets)
             gate, roots, chains = None, None, None
             if policy.kind == "bastion":
-                roots = exe.roots(batch, cache_len, sampling)
-                chains = exe.chains(batch, cache_len, sampling)
+                roots = exe.roots(batch, cache_len)
+                chains = exe.chains(batch, cache_len)
                 gate = DraftGate(self.buckets, latency.step_time, tree_decoding.pending_slots(self.block_size),
                                  self.block_size, held_rows=max(chains, default=1))
                 # What the gate learnt of this drafter and text carries over to the next request.
                 gate.restore(self._gate_memory.setdefault((batch, sampling.greedy), {}))
         else:
-            prefill, step = (exe.ar if policy.kind == "ar" else exe.chain)(batch, bucket, cache_len, sampling)
+            prefill, step = (exe.ar if policy.kind == "ar" else exe.chain)(batch, bucket, cache_len)
         # Every executable this request may use runs once now, not inside the timed request.
         used = ([*steps.values(), *(roots or {}).values(), *(chains or {}).values()] if policy.uses_tree
                 else [step])

@@ -2,7 +2,7 @@
 
 `Executables` lowers and compiles each pure step function (`decoding`, `speculative`,
 `tree_decoding`) ahead of time (`jit(...).lower(...).compile()`) for the shapes a request needs,
-and keeps them in a table keyed by what changes the compiled code (step, sampling, batch, cache
+and keeps them in a table keyed by what changes the compiled code (step, batch, cache
 length, buckets, tree width, draft vocabulary size, context lookup, datastore size). It counts every compilation it
 does, so the engine (and the tests) can prove a second request with the same shapes compiles nothing. The
 engine, the profiler and the benchmarks all get their steps here.
@@ -183,6 +183,11 @@ def compiler_options() -> dict:
     return COMPILER_OPTIONS | (CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else {})
 
 
+def _sampler():
+    """The abstract `Sampler` argument of every step (greedy or not is a traced value in it)."""
+    return jax.eval_shape(lambda: sampler(jax.random.PRNGKey(0), SamplingConfig()))
+
+
 class Executables:
     """Compiled prefill/step functions for a target (and drafter), one per shape, compiled on first use."""
 
@@ -202,7 +207,7 @@ class Executables:
         self.drafter_params = FlatParams(nnx.to_pure_dict(drafter.state)) if drafter is not None else None
         self._table: dict[tuple, Any] = {}
         self._step_args: dict[tuple, tuple] = {}  # abstract tree-step arguments per shape
-        self._configs: dict[bool, StepConfig] = {}  # the StepConfig per greedy / sampled
+        self._config: StepConfig | None = None  # made once (`config`)
         self._full_table = None  # a conditioned head's full-vocabulary table (`_chain_table`), once asked for
         self.compilations = 0  # compilations done so far (a cached shape adds none)
 
@@ -244,13 +249,13 @@ class Executables:
         for exe in list(self._table.values()):
             exe.result()
 
-    def config(self, sampling: SamplingConfig = SamplingConfig()) -> StepConfig:
-        """The static part of every step for this pair, with `sampling` (one object per greedy / not, so
-        table lookups hit by identity instead of comparing graph definitions)."""
-        cfg = self._configs.get(sampling.greedy)
+    def config(self) -> StepConfig:
+        """The static part of every step for this pair (one object, so table lookups hit by identity
+        instead of comparing graph definitions)."""
+        cfg = self._config
         if cfg is None:
-            cfg = self._configs[sampling.greedy] = StepConfig.of(
-                self.target, self.drafter, sampling=sampling, buckets=self.buckets, top_k=self.top_k,
+            cfg = self._config = StepConfig.of(
+                self.target, self.drafter, buckets=self.buckets, top_k=self.top_k,
                 proposal=self.proposal, block_size=self.block_size, mask_token_id=self.mask_token_id,
                 lookup=self.lookup, cond_depths=self.cond_depths, cond_candidates=self.cond_candidates)
         return cfg
@@ -264,22 +269,22 @@ class Executables:
         return None if self.store is None else int(self.store.tokens.shape[0])
 
     # -- per policy ------------------------------------------------------------------------------
-    def ar(self, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig):
+    def ar(self, batch: int, bucket: int, cache_len: int):
         """(prefill, decode) of plain AR decoding at these shapes."""
-        cfg = self.config(sampling)
+        cfg = self.config()
         i32 = jnp.int32
         rows = jax.ShapeDtypeStruct((batch,), i32)
-        rng = sampler(jax.random.PRNGKey(0), sampling)
+        rng = _sampler()
         tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
         prefill = self.compiled(decoding.prefill, ("prefill", cfg, batch, bucket, cache_len),
                                 (cfg, self.target_params, tcache, jax.ShapeDtypeStruct((batch, bucket), i32), rows, rng))
-        return prefill, self.decode(batch, cache_len, sampling)
+        return prefill, self.decode(batch, cache_len)
 
-    def decode(self, batch: int, cache_len: int, sampling: SamplingConfig):
+    def decode(self, batch: int, cache_len: int):
         """AR's one-token step alone (not per prompt bucket: every `ar` of these shapes shares it)."""
-        cfg = self.config(sampling)
+        cfg = self.config()
         rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
-        rng = sampler(jax.random.PRNGKey(0), sampling)
+        rng = _sampler()
         tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
         return self.compiled(decoding.decode, ("decode", cfg, batch, cache_len),
                              (cfg, self.target_params, tcache, rows, rows, rng, jax.ShapeDtypeStruct((batch,), bool)))
@@ -298,12 +303,12 @@ class Executables:
         tcache = jax.eval_shape(lambda: self.new_cache(batch, cache_len))
         dcache = jax.eval_shape(lambda: self.new_drafter_cache(batch, cache_len))
         return (cfg, self.target_params, dstate, tcache, dcache, jax.ShapeDtypeStruct((batch, bucket), i32),
-                jax.ShapeDtypeStruct((batch,), i32), sampler(jax.random.PRNGKey(0), SamplingConfig()), self.draft_vocab,
+                jax.ShapeDtypeStruct((batch,), i32), _sampler(), self.draft_vocab,
                 self.store)
 
-    def chain(self, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig):
+    def chain(self, batch: int, bucket: int, cache_len: int):
         """(prefill, step) of chain speculative decoding (mode dflash) at these shapes."""
-        cfg = self.config(sampling)
+        cfg = self.config()
         table = self._chain_table()
         extra = (None, table) if table is not None else ()  # (draft vocabulary, the head's full-vocabulary table)
         args = self._prefill_args(cfg, batch, bucket, cache_len)[:-2] + extra  # (the chain drafts over every token)
@@ -336,10 +341,10 @@ class Executables:
                                     args[7], self.draft_vocab, self.store)
         return self._step_args[key]
 
-    def tree(self, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig, step_buckets: Sequence[int]):
+    def tree(self, batch: int, bucket: int, cache_len: int, step_buckets: Sequence[int]):
         """(prefill, {bucket: step}) of the tree policies. The callables bind the draft vocabulary; a
         step takes an optional `then` (default: draft the next tree)."""
-        cfg = self.config(sampling)
+        cfg = self.config()
         prefill = self.compiled(tree_decoding.tree_prefill,
                                 ("tree_prefill", cfg, batch, bucket, cache_len, self._n_draft, self._n_store),
                                 self._prefill_args(cfg, batch, bucket, cache_len))
@@ -350,21 +355,21 @@ class Executables:
                  for b in step_buckets}
         return Bound(prefill, self.draft_vocab, self.store), steps
 
-    def roots(self, batch: int, cache_len: int, sampling: SamplingConfig) -> dict[int, Bound]:
+    def roots(self, batch: int, cache_len: int) -> dict[int, Bound]:
         """{then: root step}: the AR step of the tree policies (hold, draft or flush after it)."""
-        cfg = self.config(sampling)
+        cfg = self.config()
         step_args = self._tree_step_args(cfg, batch, cache_len)
         return {then: Bound(self.compiled(tree_decoding.root_step,
                                           ("root_step", cfg, batch, cache_len, self._n_draft, self._n_store, then),
                                           step_args, dict(then=then)), self.draft_vocab, self.store)
                 for then in (HOLD, DRAFT, FLUSH)}
 
-    def chains(self, batch: int, cache_len: int, sampling: SamplingConfig) -> dict[int, Bound]:
+    def chains(self, batch: int, cache_len: int) -> dict[int, Bound]:
         """{bucket: tree step that holds after it} for the buckets a lookup chain fills (2..block size):
         bastion verifies a held chain with these without drafting. Empty when lookup is off."""
         if self.lookup is None:
             return {}
-        cfg = self.config(sampling)
+        cfg = self.config()
         step_args = self._tree_step_args(cfg, batch, cache_len)
         return {b: Bound(self.compiled(tree_decoding.tree_step, ("tree_step", cfg, batch, cache_len, self._n_draft,
                                                                  self._n_store, b, HOLD),

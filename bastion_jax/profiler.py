@@ -107,14 +107,14 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
     bar.set_postfix_str("compiling")
     t0 = time.perf_counter()
     exe = engine.executables
-    prefill, steps = exe.tree(1, 16, cache_len, sampling, buckets)
-    roots = exe.roots(1, cache_len, sampling) if engine.drafter is not None else {}
+    prefill, steps = exe.tree(1, 16, cache_len, buckets)
+    roots = exe.roots(1, cache_len) if engine.drafter is not None else {}
     # The steps verifying a held lookup chain (no draft after them): timed as `held(b)` variants.
-    chains = exe.chains(1, cache_len, sampling) if engine.drafter is not None else {}
+    chains = exe.chains(1, cache_len) if engine.drafter is not None else {}
     verify, draft = exe.tree_parts(1, cache_len, buckets)
     plain = {b: exe.forward(1, cache_len, b) for b in buckets}
     plain_tokens = {b: jax.device_put(np.zeros((1, b), np.int32)) for b in buckets}
-    _, ar_step = exe.ar(1, 16, cache_len, sampling)
+    _, ar_step = exe.ar(1, 16, cache_len)
     exe.ready()
     compile_s = time.perf_counter() - t0
     bar.update()

@@ -25,7 +25,7 @@ from bastion_jax.decoding import prefill_target
 from bastion_jax.modeling.cache import KVCache, causal_mask
 from bastion_jax.modeling.cond_head import head_law, head_table, spine_logits
 from bastion_jax.modeling.layers import project
-from bastion_jax.sampling import argmax, sample
+from bastion_jax.sampling import Sampler, argmax, sample
 from bastion_jax.step_config import Proposal, StepConfig
 
 
@@ -207,12 +207,12 @@ def merge_models(cfg: StepConfig, target_state, drafter_state):
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("target_cache", "drafter_cache"))
 def spec_prefill(cfg: StepConfig, target_state, drafter_state, target_cache: KVCache, drafter_cache: KVCache,
-                 tokens: jax.Array, lengths: jax.Array, key: jax.Array,
+                 tokens: jax.Array, lengths: jax.Array, key: Sampler,
                  draft_vocab: Optional[DraftVocab] = None, cond_table: jax.Array | None = None) -> SpecState:
     """Target prefill (tokens [b, bucket] right-padded, lengths [b]) + the drafter's first block
     (`cond_table`: a conditioned head's table over the full vocabulary, see `draft_logits`)."""
     target, drafter = merge_models(cfg, target_state, drafter_state)
-    root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, cfg.greedy,
+    root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key,
                                                   cfg.tap_layers)
     drafts, drafter_cache = draft_block(target, drafter, drafter_cache, features, None, lengths,
                                         root, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
@@ -228,7 +228,7 @@ def accept_chain(drafts: jax.Array, choices: jax.Array) -> jax.Array:
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
-def spec_step(cfg: StepConfig, target_state, drafter_state, state: SpecState, active: jax.Array, key: jax.Array,
+def spec_step(cfg: StepConfig, target_state, drafter_state, state: SpecState, active: jax.Array, key: Sampler,
               draft_vocab: Optional[DraftVocab] = None, cond_table: jax.Array | None = None
               ) -> tuple[SpecState, StepOutput]:
     """Verify the current block, accept, emit, inject features and draft the next block."""
@@ -240,7 +240,7 @@ def spec_step(cfg: StepConfig, target_state, drafter_state, state: SpecState, ac
     positions = length[:, None] + jnp.arange(block_size)[None]
     out = target(tokens, positions, cache, length, causal_mask(tokens.shape[0], block_size),
                  tap_layers=cfg.tap_layers, active=active)
-    choices = sample(out.logits, key, cfg.greedy)  # [b, B]: the target's token after each slot
+    choices = sample(out.logits, key)  # [b, B]: the target's token after each slot
     accepted = accept_chain(state.drafts, choices)  # [b]
     bonus = jnp.take_along_axis(choices, accepted[:, None], axis=1)[:, 0]
     slots = jnp.arange(block_size)[None]

@@ -1,12 +1,12 @@
 """`StepConfig`: everything static about a decoding step, in one hashable value.
 
 Every jitted step (`decoding`, `speculative`, `tree_decoding`) takes it as its first, static
-argument: the models' graph definitions, greedy or not, the drafter's block and mask token,
+argument: the models' graph definitions, the drafter's block and mask token,
 the tapped target layers, an optional proposal hook, the tree buckets and width, the context lookup. Two calls with
 equal configs and shapes share one compiled executable; anything that changes the compiled code
-is in here, so a changed setting can never silently reuse a stale compilation. Temperature,
-top-k and top-p are not: they travel as arrays in the `sampling.Sampler` each step takes, so a
-request with other values compiles nothing.
+is in here, so a changed setting can never silently reuse a stale compilation. Sampling is not:
+temperature (0: greedy), top-k and top-p travel as arrays in the `sampling.Sampler` each step
+takes, so a request with other values compiles nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import jax
 from flax import nnx
 
 from bastion_jax.lookup import LookupConfig
-from bastion_jax.sampling import SamplingConfig
 
 # proposal(root [b], root position [b], drafter logits [b, B-1, V]) -> logits: replaces or edits the
 # drafter's per-position logits inside the step (tests use oracle and half-right drafters with it).
@@ -29,7 +28,6 @@ Proposal = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 class StepConfig:
     target_def: nnx.GraphDef
     drafter_def: Optional[nnx.GraphDef] = None
-    greedy: bool = True  # argmax; else sample with the step's Sampler (temperature, top-k, top-p)
     block_size: int = 0  # drafted block incl. the root (0: no drafting, AR only)
     mask_token_id: int = 0
     tap_layers: tuple[int, ...] = ()  # target layers whose outputs feed the drafter
@@ -54,9 +52,8 @@ class StepConfig:
         return cached
 
     @classmethod
-    def of(cls, target, drafter=None, *, sampling: SamplingConfig = SamplingConfig(),
-           buckets: Sequence[int] = (1,), top_k: int = 1, proposal: Optional[Proposal] = None,
-           block_size: Optional[int] = None, mask_token_id: int = 0,
+    def of(cls, target, drafter=None, *, buckets: Sequence[int] = (1,), top_k: int = 1,
+           proposal: Optional[Proposal] = None, block_size: Optional[int] = None, mask_token_id: int = 0,
            lookup: Optional[LookupConfig] = None, cond_depths: int = 0, cond_candidates: int = 0) -> "StepConfig":
         """The config for a loaded target (and drafter): block size, mask token and taps come from the
         drafter's config when there is one (`block_size` / `mask_token_id` serve a drafter-less
@@ -65,7 +62,7 @@ class StepConfig:
         if drafter is not None:
             block_size, mask_token_id = drafter.config.block_size, drafter.config.mask_token_id
         return cls(target_def=target.graphdef, drafter_def=drafter.graphdef if drafter is not None else None,
-                   greedy=sampling.greedy, block_size=block_size or 0, mask_token_id=mask_token_id,
+                   block_size=block_size or 0, mask_token_id=mask_token_id,
                    tap_layers=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
                    proposal=proposal, buckets=tuple(sorted(set(int(b) for b in buckets))), top_k=top_k,
                    lookup=lookup,

@@ -21,7 +21,7 @@ from bastion_jax.decoding import prefill_target
 from bastion_jax.lookup import Chain, LookupState, advance, chain_curve, init_state, primary
 from bastion_jax.modeling.cache import KVCache, append_rows, causal_mask, write_rows
 from bastion_jax.modeling.cond_head import LAW_ROW_AXES, HeadLaw, child_log_probs, root_state
-from bastion_jax.sampling import argmax, sample
+from bastion_jax.sampling import Sampler, argmax, sample
 from bastion_jax.speculative import DraftVocab, StepOutput, draft_logits, merge_models
 from bastion_jax.step_config import StepConfig
 from bastion_jax.tree import Tree, build_tree, chain_tree, slice_tree, surrogate_curve
@@ -108,12 +108,12 @@ def draft_trees(buckets: tuple[int, ...], top_k: int, cond_depths: int, root: ja
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("target_cache", "drafter_cache"))
 def tree_prefill(cfg: StepConfig, target_state, drafter_state, target_cache: KVCache, drafter_cache: KVCache,
-                 tokens: jax.Array, lengths: jax.Array, key: jax.Array,
+                 tokens: jax.Array, lengths: jax.Array, key: Sampler,
                  draft_vocab: Optional[DraftVocab] = None, store: Optional[Datastore] = None
                  ) -> tuple[TreeState, jax.Array]:
     """Target prefill + the first draft tree. Returns (state, surrogate curve [b, n_buckets])."""
     target, drafter = merge_models(cfg, target_state, drafter_state)
-    root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key, cfg.greedy,
+    root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key,
                                                   cfg.tap_layers)
     batch, slots = root.shape[0], target_cache.max_len
     look, chain = init_state(cfg.lookup, tokens, lengths, root, slots, cfg.block_size - 1, store)
@@ -152,7 +152,7 @@ def _then(cfg: StepConfig, then: int, target, drafter, state: TreeState, pending
     return dcache, held_tree(root, state.tree, held), no_curve, jnp.zeros_like(pending_len)
 
 
-def _verify(cfg: StepConfig, target, state: TreeState, active: jax.Array, key: jax.Array, bucket: int):
+def _verify(cfg: StepConfig, target, state: TreeState, active: jax.Array, key: Sampler, bucket: int):
     """Verify the first `bucket` nodes of the tree and walk it. Returns (emitted [b, D + 1], accepted
     [b], bonus [b], the path's features [b, D + 1, F], the target cache with the path's K/V compacted
     to slots length..)."""
@@ -165,7 +165,7 @@ def _verify(cfg: StepConfig, target, state: TreeState, active: jax.Array, key: j
     positions = length[:, None] + tree.depths  # [b, n]
     out = target(tokens, positions, state.target_cache, length, tree.ancestors, tap_layers=cfg.tap_layers,
                  active=active)
-    choices = sample(out.logits, key, cfg.greedy)  # [b, n]: the target's token after each node
+    choices = sample(out.logits, key)  # [b, n]: the target's token after each node
     depth = cfg.block_size - 1
     path, accepted = jax.vmap(walk, in_axes=(0, 0, 0, None))(tree.tokens, tree.parents, choices, depth)
     last = jnp.take_along_axis(path, accepted[:, None], axis=1)[:, 0]
@@ -200,7 +200,7 @@ def _commit(cfg: StepConfig, then: int, target, drafter, state: TreeState, activ
 
 
 @partial(jax.jit, static_argnames=("cfg", "bucket", "then"), donate_argnames=("state",))
-def tree_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
+def tree_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, active: jax.Array, key: Sampler,
               draft_vocab: Optional[DraftVocab] = None, store: Optional[Datastore] = None, *, bucket: int,
               then: int = 1) -> tuple[TreeState, StepOutput, jax.Array]:
     """Verify the first `bucket` nodes of the tree, accept, compact, then (`then`, see `_then`) draft
@@ -212,7 +212,7 @@ def tree_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
 
 
 @partial(jax.jit, static_argnames=("cfg", "then"), donate_argnames=("state",))
-def root_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, active: jax.Array, key: jax.Array,
+def root_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, active: jax.Array, key: Sampler,
               draft_vocab: Optional[DraftVocab] = None, store: Optional[Datastore] = None, *,
               then: int = 0) -> tuple[TreeState, StepOutput, jax.Array]:
     """A plain AR step for a state that holds no draft (the previous step did not draft): the
@@ -224,7 +224,7 @@ def root_step(cfg: StepConfig, target_state, drafter_state, state: TreeState, ac
     cache = state.target_cache
     out = target(root[:, None], length[:, None], cache, length, causal_mask(root.shape[0], 1),
                  tap_layers=cfg.tap_layers, active=active)
-    choice = sample(out.logits, key, cfg.greedy)[:, 0]  # [b]
+    choice = sample(out.logits, key)[:, 0]  # [b]
     features = (out.taps if out.taps is not None else jnp.zeros((root.shape[0], 1, 1), jnp.float32))  # [b, 1, F]
     n_new = active.astype(jnp.int32)
     pending = write_rows(state.pending, features.astype(state.pending.dtype), state.pending_len, active)

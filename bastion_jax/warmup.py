@@ -7,7 +7,8 @@ later pays then; it recurs for every executable, even one loaded from the compil
 Paid inside a request, it held the README's first command to 5 tok/s against 23 steady, with a 2 s
 first token, and a benchmark's short warm-up run left bastion's held-chain steps cold until a timed
 answer met them. So every executable a request may use runs once on scratch buffers first
-(`warm_up`), and the engine remembers which did (`Engine.warm`).
+(`warm_up`), and the engine remembers which did (`Engine.warm`), per greedy / sampled: each is a
+branch of every step (`sampling.sample`), whose first run pays the set-up again.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ if TYPE_CHECKING:
 FLUSH_VARIANT = "flush"  # the root step that flushes, among `tree_variants` (warmed, never priced)
 
 
-def exe_id(f) -> int:
-    """Which compiled executable `f` runs (an `executables.Bound` wraps one anew per request)."""
-    return id(getattr(f, "exe", f))
+def exe_id(f, sampling: SamplingConfig) -> tuple[int, bool]:
+    """Which compiled executable `f` runs (an `executables.Bound` wraps one anew per request), and
+    which of its sampling branches (greedy or not): what `Engine.warm` remembers as run once."""
+    return id(getattr(f, "exe", f)), sampling.greedy
 
 
 def prompt_args(padded: np.ndarray, lens: np.ndarray, seed: int, sampling: SamplingConfig):
@@ -45,18 +47,17 @@ def prompt_args(padded: np.ndarray, lens: np.ndarray, seed: int, sampling: Sampl
     return rng, (jnp.asarray(padded), jnp.asarray(lens), sampler(sub, sampling))
 
 
-def tree_variants(engine: "Engine", batch: int, cache_len: int, sampling: SamplingConfig,
-                  prompt_bucket: int = 16) -> tuple[Callable, dict]:
+def tree_variants(engine: "Engine", batch: int, cache_len: int, prompt_bucket: int = 16) -> tuple[Callable, dict]:
     """(prefill, {variant: step}) of bastion at these shapes: every bucket's tree step (not bucket 1,
     `Engine.tree_step_buckets`), the root steps (AR, AR_DRAFT, and a flush under FLUSH_VARIANT) and
     the steps verifying a held lookup chain (`held(b)`); the prefill's prompt bucket `prompt_bucket`."""
     exe = engine.executables
-    prefill, steps = exe.tree(batch, prompt_bucket, cache_len, sampling, engine.tree_step_buckets("bastion"))
+    prefill, steps = exe.tree(batch, prompt_bucket, cache_len, engine.tree_step_buckets("bastion"))
     variants: dict = dict(steps)
     if engine.drafter is not None:
-        roots = exe.roots(batch, cache_len, sampling)
+        roots = exe.roots(batch, cache_len)
         variants[AR], variants[AR_DRAFT], variants[FLUSH_VARIANT] = roots[HOLD], roots[DRAFT], roots[FLUSH]
-        variants.update({held(b): step for b, step in exe.chains(batch, cache_len, sampling).items()})
+        variants.update({held(b): step for b, step in exe.chains(batch, cache_len).items()})
     return prefill, variants
 
 
@@ -79,7 +80,7 @@ def calibrate(engine: "Engine", cache_len: int, sampling: SamplingConfig, contex
     top = cache_len - engine.tree_slack() - 1
     contexts = sorted({max(1, c) for c in (contexts or (16, top)) if c <= top})
     exe = engine.executables
-    prefill, variants = tree_variants(engine, batch, cache_len, sampling, prompt_bucket)
+    prefill, variants = tree_variants(engine, batch, cache_len, prompt_bucket)
     variants.pop(FLUSH_VARIANT, None)
     key = sampler(jax.random.PRNGKey(0), sampling)
     state, _ = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),
@@ -93,7 +94,7 @@ def calibrate(engine: "Engine", cache_len: int, sampling: SamplingConfig, contex
     # calibrations priced bucket 8 at 36.0-42.7 ms, once below bucket 4, which decides buckets).
     state = first_runs(list(variants.values()), state,
                        lambda f, s: f(exe.target_params, exe.drafter_params, s, inactive, key))
-    engine.warm.update(exe_id(f) for f in variants.values())
+    engine.warm.update(exe_id(f, sampling) for f in variants.values())
     for _ in range(reps):
         for b, c in points:
             state = state.replace(length=jnp.full((batch,), c, jnp.int32))
@@ -134,8 +135,8 @@ def warm_up(engine: "Engine", kind: str, batch: int, bucket: int, cache_len: int
     "dflash" or a tree policy) that never ran (nothing when all did). Steps run with their rows
     inactive, at a context of 16 (272 after a prompt bucket over one prefill tile), so that the
     attention's loops run, and their outputs are dropped."""
-    steps = [f for f in steps if exe_id(f) not in engine.warm]
-    if not steps and exe_id(prefill) in engine.warm:
+    steps = [f for f in steps if exe_id(f, sampling) not in engine.warm]
+    if not steps and exe_id(prefill, sampling) in engine.warm:
         return
     exe = engine.executables
     # A prompt over one prefill tile, where the bucket has two: the tiled prefill's loop over the key
@@ -163,4 +164,4 @@ def warm_up(engine: "Engine", kind: str, batch: int, bucket: int, cache_len: int
         state, _ = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),
                            exe.new_drafter_cache(batch, cache_len), tokens, lens, params)
         first_runs(steps, state, lambda f, s: f(exe.target_params, exe.drafter_params, s, inactive, params))
-    engine.warm.update(exe_id(f) for f in (prefill, *steps))  # (the prefill ran too: it made the state)
+    engine.warm.update(exe_id(f, sampling) for f in (prefill, *steps))  # (the prefill ran too: it made the state)

@@ -33,11 +33,10 @@ def take(engine, cache_len: int, context: int, bucket: int, steps: int, log_dir:
     beside the trace and returns the summary."""
     import jax
 
-    from bastion_jax.sampling import SamplingConfig
     from benchmarks.verify_probe import TargetSteps
 
     exe = engine.executables
-    ar_step = exe.decode(1, cache_len, SamplingConfig())
+    ar_step = exe.decode(1, cache_len)
     verify = exe.verify_steps(1, cache_len, (bucket,))[bucket]
     exe.ready()
     calls, length = TargetSteps(engine, cache_len, ar_step, {bucket: verify}), TargetSteps.lengths(context)

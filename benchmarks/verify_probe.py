@@ -99,8 +99,6 @@ def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
     import numpy as np
 
     from bastion_jax.profiler import median_s
-    from bastion_jax.sampling import SamplingConfig
-
     exe, buckets = engine.executables, engine.buckets
     compile_s: dict[str, float] = {}
 
@@ -111,10 +109,9 @@ def measure(engine, contexts, cache_len: int, reps: int, warmup: int) -> dict:
         compile_s[name] = time.perf_counter() - t0
         return out
 
-    sampling = SamplingConfig()
     exe.tree_struct(1, cache_len)  # traced here, so that no compile figure below includes the tracing
     prompt = max(contexts)  # the prefill is timed at the longest context's prompt length
-    prefill, ar_step = timed(f"ar decode + prefill({prompt})", lambda: exe.ar(1, prompt, cache_len, sampling))
+    prefill, ar_step = timed(f"ar decode + prefill({prompt})", lambda: exe.ar(1, prompt, cache_len))
     verify = {b: timed(f"tree_verify({b})", lambda b=b: exe.verify_steps(1, cache_len, (b,))[b]) for b in buckets}
     forward = {b: timed(f"forward({b})", lambda b=b: exe.forward(1, cache_len, b)) for b in buckets}
     steps = TargetSteps(engine, cache_len, ar_step, verify)

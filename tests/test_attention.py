@@ -128,8 +128,6 @@ def test_compiled_steps_never_copy_a_cache_buffer(slots, scan):
 
     from bastion_jax.executables import Executables
     from bastion_jax.presets import preset_configs, random_models
-    from bastion_jax.sampling import SamplingConfig
-
     from bastion_jax.checkpoints import layer_layout
 
     tcfg, dcfg = preset_configs("smollm2-135m", 2, 1, 4)
@@ -137,9 +135,9 @@ def test_compiled_steps_never_copy_a_cache_buffer(slots, scan):
     exe = Executables(target, drafter, proposal=None, block_size=4, mask_token_id=0, buckets=(1, 4), top_k=8,
                       draft_vocab=None)
     # (cache lengths no other array of these steps has)
-    _, decode = exe.ar(1, 16, slots, SamplingConfig())
-    _, steps = exe.tree(1, 16, slots, SamplingConfig(), [1, 4])
-    roots = exe.roots(1, slots, SamplingConfig())
+    _, decode = exe.ar(1, 16, slots)
+    _, steps = exe.tree(1, 16, slots, [1, 4])
+    roots = exe.roots(1, slots)
     compiled = {"decode": decode, **{f"tree_step({b})": s.exe for b, s in steps.items()},
                 **{f"root_step({t})": r.exe for t, r in roots.items()}}
     copy = re.compile(r"= \w+\[(\d+,)?1,\d+,%d,\d+\]\{[^}]*\} copy\(" % slots)  # ([layers,] 1, kv, slots, d)

@@ -97,7 +97,7 @@ def test_compaction_equals_sequential_cache(converted):
     table = greedy_continuation(target, PROMPT, n + BLOCK)
     engine = Engine(target, stop_ids=[-1], block_size=BLOCK, buckets=(16,), top_k=4,
                     proposal=table_proposal(table, target.config.vocab_size, "branch"))
-    prefill, steps = engine.executables.tree(1, 16, 64, SamplingConfig(), [16])
+    prefill, steps = engine.executables.tree(1, 16, 64, [16])
     tcache = engine.executables.new_cache(1, 64)
     padded = np.zeros((1, 16), np.int32)
     padded[0, : len(PROMPT)] = PROMPT

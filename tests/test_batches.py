@@ -146,7 +146,7 @@ def test_finished_rows_write_no_kv(converted):
     from bastion_jax.checkpoints import random_drafter
     from bastion_jax.decoding import decode
     from bastion_jax.modeling.cache import KVCache
-    from bastion_jax.sampling import SamplingConfig
+    from bastion_jax.sampling import SamplingConfig, sampler
     from bastion_jax.speculative import spec_prefill, spec_step
     from bastion_jax.step_config import StepConfig
     from bastion_jax.testing import tiny_drafter_config
@@ -157,11 +157,10 @@ def test_finished_rows_write_no_kv(converted):
     prompts = np.array([[5, 9, 11, 4] + [0] * 12, [7, 3, 20, 21, 22, 0] + [0] * 10], np.int32)
     lens = jnp.asarray([4, 6], jnp.int32)
     active = jnp.asarray([True, False])
-    key = jax.random.PRNGKey(0)
-    sampling = SamplingConfig()
+    key = sampler(jax.random.PRNGKey(0), SamplingConfig())  # greedy
     caches = lambda: (KVCache.create(target.config, 2, 64, target.dtype),  # noqa: E731
                       KVCache.create(drafter.config, 2, 64, target.dtype))
-    cfg = StepConfig.of(target, drafter, sampling=sampling, buckets=BUCKETS, top_k=2)
+    cfg = StepConfig.of(target, drafter, buckets=BUCKETS, top_k=2)
 
     def check(state, step):
         frozen, moving = _rows(state, 1), _rows(state, 0)

@@ -15,7 +15,6 @@ from bastion_jax.checkpoints.dflash import export_zlab
 from bastion_jax.engine import Engine
 from bastion_jax.modeling.cache import KVCache
 from bastion_jax.modeling.cond_head import child_log_probs, head_law, head_table, root_state, spine_logits
-from bastion_jax.sampling import SamplingConfig
 from bastion_jax.speculative import DraftVocab, draft_logits, head_logits
 from bastion_jax.testing import tiny_drafter_config
 
@@ -186,11 +185,11 @@ def test_decoding_with_a_head_equals_ar(pair, dtype, tmp_path):
     for vocab, cond_depths, candidates in cases:
         engine = Engine(target, drafter=d, stop_ids=[-1], buckets=(1, 4, 8), top_k=4, draft_vocab=vocab,
                         cond_depths=cond_depths, cond_candidates=candidates)
-        assert engine.executables.config(SamplingConfig()).cond_candidates == candidates
+        assert engine.executables.config().cond_candidates == candidates
         if vocab is not None:
             assert engine.draft_vocab.cond_table is not None  # made once, not in every step
         # the chain drafts over every token: its table is made once too, and bound to its steps
-        prefill, step = engine.executables.chain(2, 8, 64, SamplingConfig())
+        prefill, step = engine.executables.chain(2, 8, 64)
         assert step.bound[1].shape == (target.config.vocab_size, 8) and step.bound[1] is prefill.bound[1]
         ar = engine.generate(prompts, max_new_tokens=24, mode="ar").tokens
         modes = ("dflash", "fixed:4", "bastion") if cond_depths == 0 else ("fixed:8", "bastion")

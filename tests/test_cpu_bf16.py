@@ -16,7 +16,6 @@ from bastion_jax.checkpoints import load_target, random_drafter
 from bastion_jax.engine import Engine
 from bastion_jax.modeling.cache import KVCache, storage_dtype
 from bastion_jax.modeling.layers import project
-from bastion_jax.sampling import SamplingConfig
 from bastion_jax.testing import tiny_drafter_config
 from bastion_jax.tree_decoding import DRAFT, HOLD
 
@@ -45,10 +44,10 @@ def test_bf16_steps_convert_no_weight_or_cache_to_float32(converted):
     target = load_target(f32_target.path, jnp.bfloat16)
     drafter = random_drafter(tiny_drafter_config(target.config, num_layers=1, block_size=BLOCK), target.dtype)
     engine = Engine(target, stop_ids=[], drafter=drafter, buckets=(1, 4), top_k=2)
-    exe, s, cache_len = engine.executables, SamplingConfig(), 512
-    steps = {"decode": exe.ar(1, 16, cache_len, s)[1]}
-    _, trees = exe.tree(1, 16, cache_len, s, (4,))
-    roots = exe.roots(1, cache_len, s)
+    exe, cache_len = engine.executables, 512
+    steps = {"decode": exe.ar(1, 16, cache_len)[1]}
+    _, trees = exe.tree(1, 16, cache_len, (4,))
+    roots = exe.roots(1, cache_len)
     steps.update(tree_step4=trees[4].exe, root_hold=roots[HOLD].exe, root_draft=roots[DRAFT].exe)
     weights = {tuple(x.shape) for st in (target.state, drafter.state) for x in jax.tree.leaves(st) if x.ndim == 2}
     cache = KVCache.create(target.config, 1, cache_len, target.dtype)

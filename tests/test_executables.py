@@ -33,7 +33,7 @@ def test_a_step_compiles_on_a_worker_and_its_call_waits_for_it(converted, monkey
         return compile_(self, *args, **kwargs)
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", slow_compile)
-    prefill, step = exe.ar(1, 16, 64, SamplingConfig())
+    prefill, step = exe.ar(1, 16, 64)
     asked.set()
     assert isinstance(prefill, Compiling) and isinstance(step, Compiling) and exe.compilations == 2
     exe.ready()
@@ -51,7 +51,7 @@ def test_a_step_compiles_on_a_worker_and_its_call_waits_for_it(converted, monkey
     with torch.no_grad():
         want = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
     assert int(np.asarray(nxt)[0]) == want
-    assert exe.ar(1, 16, 64, SamplingConfig()) == (prefill, step) and exe.compilations == 2  # table hit
+    assert exe.ar(1, 16, 64) == (prefill, step) and exe.compilations == 2  # table hit
 
 
 def test_a_failed_compile_is_raised_at_the_call(converted, monkeypatch):
@@ -62,7 +62,7 @@ def test_a_failed_compile_is_raised_at_the_call(converted, monkeypatch):
         raise RuntimeError("XLA ran out of memory compiling this step")
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", broken)
-    prefill, _ = exe.ar(1, 16, 64, SamplingConfig())
+    prefill, _ = exe.ar(1, 16, 64)
     with pytest.raises(RuntimeError, match="out of memory"):
         prefill(exe.target_params)
     with pytest.raises(RuntimeError, match="out of memory"):
@@ -95,9 +95,9 @@ def test_what_every_step_repeats_is_traced_once(converted, monkeypatch):
     # Shapes no other test uses (buckets, tree width, cache length), so nothing is traced already.
     engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 3), top_k=3)
     exe = engine.executables
-    _, steps = exe.tree(1, 16, 88, SamplingConfig(), [1, 3])
-    roots = exe.roots(1, 88, SamplingConfig())
-    chains = exe.chains(1, 88, SamplingConfig())
+    _, steps = exe.tree(1, 16, 88, [1, 3])
+    roots = exe.roots(1, 88)
+    chains = exe.chains(1, 88)
     assert len(steps) + len(roots) + len(chains) >= 6  # 3 steps draft, all 6 look up a chain
     # The drafter: once for the prefill (nothing cached yet: other arguments) and once for the steps.
     assert traces == {"drafter": 2, "tree": 1, "chain": 1}

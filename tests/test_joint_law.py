@@ -168,8 +168,8 @@ def test_held_lookup_chain_steps_follow_the_target_law(peaked_target, contexts, 
     engine = Engine(peaked_target, stop_ids=[-1], block_size=BLOCK, buckets=(3, 8), top_k=3,
                     proposal=tree_proposal(contexts))
     ex, cache_len = engine.executables, 32
-    prefill, _ = ex.tree(ROWS, 16, cache_len, sampling, ())
-    root, chains = ex.roots(ROWS, cache_len, sampling)[HOLD], ex.chains(ROWS, cache_len, sampling)
+    prefill, _ = ex.tree(ROWS, 16, cache_len, ())
+    root, chains = ex.roots(ROWS, cache_len)[HOLD], ex.chains(ROWS, cache_len)
     assert set(chains) == {3}
     keys = iter(sampler(jax.random.PRNGKey(SEED + i), sampling) for i in range(8))
     tokens = jnp.asarray([PROMPT + [0] * (16 - len(PROMPT))] * ROWS, jnp.int32)

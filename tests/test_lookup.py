@@ -193,12 +193,12 @@ def test_a_root_step_that_does_not_draft_reports_the_lookup_chains_curve(convert
     for on in (False, True):
         ex = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4, 8), top_k=4,
                     lookup=lookup if on else None).executables
-        prefill, _ = ex.tree(1, 16, 64, SamplingConfig(), ())
+        prefill, _ = ex.tree(1, 16, 64, ())
         toks = jnp.asarray([prompt + [0] * (16 - len(prompt))], jnp.int32)
         state, _ = prefill(ex.target_params, ex.drafter_params, ex.new_cache(1, 64), ex.new_drafter_cache(1, 64),
                            toks, jnp.asarray([len(prompt)], jnp.int32), key)
         text = prompt + [int(state.tree.tokens[0, 0])]
-        roots = ex.roots(1, 64, SamplingConfig())
+        roots = ex.roots(1, 64)
         longest = 0.0
         for i in range(40):
             then = HOLD if i % 2 else FLUSH  # (flushes keep the feature buffer from filling up)

@@ -13,7 +13,6 @@ import pytest
 from bastion_jax.checkpoints import random_drafter
 from bastion_jax.engine import Engine
 from bastion_jax.modeling.attention import PREFIX_CHUNK
-from bastion_jax.sampling import SamplingConfig
 from bastion_jax.testing import tiny_drafter_config
 from bastion_jax.tree_decoding import DRAFT, HOLD
 
@@ -22,16 +21,16 @@ BLOCK = 4
 
 def _temps(engine: Engine, cache_len: int) -> dict[str, int]:
     """Temporary bytes of each step kind (prefills, AR, chain, tree, root and held-chain steps)."""
-    exe, s = engine.executables, SamplingConfig()
+    exe = engine.executables
     steps = {}
-    steps["prefill"], steps["decode"] = exe.ar(1, 16, cache_len, s)
-    steps["spec_prefill"], steps["spec_step"] = exe.chain(1, 16, cache_len, s)
-    prefill, trees = exe.tree(1, 16, cache_len, s, (1, 4))
+    steps["prefill"], steps["decode"] = exe.ar(1, 16, cache_len)
+    steps["spec_prefill"], steps["spec_step"] = exe.chain(1, 16, cache_len)
+    prefill, trees = exe.tree(1, 16, cache_len, (1, 4))
     steps["tree_prefill"] = prefill.exe
     steps.update({f"tree_step{b}": step.exe for b, step in trees.items()})
-    roots = exe.roots(1, cache_len, s)
+    roots = exe.roots(1, cache_len)
     steps["root_hold"], steps["root_draft"] = roots[HOLD].exe, roots[DRAFT].exe
-    steps.update({f"chain{b}": step.exe for b, step in exe.chains(1, cache_len, s).items()})
+    steps.update({f"chain{b}": step.exe for b, step in exe.chains(1, cache_len).items()})
     return {name: step.memory_analysis().temp_size_in_bytes for name, step in steps.items()}
 
 

@@ -26,7 +26,7 @@ def drive(target, drafter, prompts, n_steps, seed, sampling=SamplingConfig(), ca
     final state, kinds used)."""
     rng = np.random.default_rng(seed)
     b = len(prompts)
-    cfg = StepConfig.of(target, drafter, sampling=sampling, buckets=BUCKETS, top_k=4)
+    cfg = StepConfig.of(target, drafter, buckets=BUCKETS, top_k=4)
     lens = np.array([len(p) for p in prompts], np.int32)
     padded = np.zeros((b, 16), np.int32)
     for i, p in enumerate(prompts):
@@ -157,7 +157,8 @@ def test_draft_vocab_permutation_gives_the_same_trees(pair):
     v = target.config.vocab_size
     padded = jnp.asarray([[5, 9, 11, 40, 41] + [0] * 11])
     args = lambda: (cfg, target.state, drafter.state, KVCache.create(target.config, 1, 64, target.dtype),  # noqa: E731
-                    KVCache.create(drafter.config, 1, 64, target.dtype), padded, jnp.array([5]), jax.random.PRNGKey(0))
+                    KVCache.create(drafter.config, 1, 64, target.dtype), padded, jnp.array([5]),
+                    sampler(jax.random.PRNGKey(0), SamplingConfig()))
     full, curve = tree_prefill(*args())
     shuffled = DraftVocab.from_ranking(target, np.random.default_rng(0).permutation(v), v)
     same, curve2 = tree_prefill(*args(), shuffled)

@@ -1,5 +1,6 @@
 """Our target vs transformers on tiny random Qwen3 and Llama-3.1 (rope-scaled) models, fp32."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ from flax import nnx
 
 from bastion_jax.engine import Engine
 from bastion_jax.modeling.cache import KVCache, causal_mask
-from bastion_jax.sampling import SamplingConfig
+from bastion_jax.sampling import SamplingConfig, sampler
 
 ARCHS = ["qwen3", "llama3"]
 TOL = 1e-4
@@ -81,8 +82,9 @@ def test_long_prefill_tiles_match_transformers(converted, arch):
     lengths = np.array([300, 261])
     ids = np.random.default_rng(4).integers(3, hf.config.vocab_size, (2, 512))
     model = nnx.merge(target.graphdef, target.state)
+    greedy = sampler(jax.random.PRNGKey(0), SamplingConfig())
     first, _, taps = prefill_target(model, KVCache.create(target.config, 2, 512, jnp.float32), jnp.asarray(ids),
-                                    jnp.asarray(lengths, jnp.int32), None, True, (0, 1))
+                                    jnp.asarray(lengths, jnp.int32), greedy, (0, 1))
     for row, n in enumerate(lengths):
         out = hf_logits(hf, ids[row: row + 1, :n], hidden=True)
         assert int(first[row]) == int(out.logits[0, -1].argmax())

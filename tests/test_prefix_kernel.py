@@ -146,7 +146,6 @@ def test_a_whole_tree_step_lowers_for_cuda_with_the_kernel(converted, scan):
     from bastion_jax import tree_decoding
     from bastion_jax.checkpoints import random_drafter
     from bastion_jax.engine import Engine
-    from bastion_jax.sampling import SamplingConfig
     from bastion_jax.testing import tiny_drafter_config
 
     from bastion_jax.checkpoints import load_target
@@ -155,7 +154,7 @@ def test_a_whole_tree_step_lowers_for_cuda_with_the_kernel(converted, scan):
     target = load_target(target.path, jnp.float32, scan_layers=scan)
     drafter = random_drafter(tiny_drafter_config(target.config, num_layers=1, block_size=4), seed=3)
     exe = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 8)).executables
-    args = exe._tree_step_args(exe.config(SamplingConfig()), 1, 256)
+    args = exe._tree_step_args(exe.config(), 1, 256)
     old = set_prefix_kernel("pallas")
     try:
         check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")

@@ -39,7 +39,7 @@ def expected_probs(cfg: SamplingConfig) -> np.ndarray:
 def test_sample_distribution_matches_filtered_softmax(cfg):
     n = 20000
     keys = jax.random.split(jax.random.PRNGKey(0), n)
-    draws = np.asarray(jax.vmap(lambda k: sample(LOGITS, sampler(k, cfg), cfg.greedy))(keys))
+    draws = np.asarray(jax.vmap(lambda k: sample(LOGITS, sampler(k, cfg)))(keys))
     counts = np.bincount(draws, minlength=5)
     exp = expected_probs(cfg) * n
     assert (counts[exp == 0] == 0).all(), "a filtered-out token was sampled"
@@ -53,10 +53,19 @@ def test_filter_keeps_probabilities_of_kept_tokens():
     np.testing.assert_allclose(out, [0, 0.4 / 0.65, 0.25 / 0.65, 0, 0], atol=1e-6)
 
 
-def test_greedy_is_argmax():
-    assert int(sample(LOGITS, jax.random.PRNGKey(0), greedy=True)) == 1
+def test_temperature_zero_is_argmax_inside_one_compiled_function():
+    """Greedy is a traced branch: one jitted `sample` takes the argmax at temperature 0 (whatever the
+    key and filters) and draws at temperature > 0 (seen to fail with the branches swapped)."""
+    logits = jnp.log(jnp.array([[0.3, 0.36, 0.34], [0.5, 0.2, 0.3]]))  # near-flat: draws often differ
+    pick = jax.jit(sample)
+    keys = jax.random.split(jax.random.PRNGKey(0), 64)
+    greedy = {tuple(np.asarray(pick(logits, sampler(k, SamplingConfig(0.0, top_k=2))))) for k in keys}
+    drawn = {tuple(np.asarray(pick(logits, sampler(k, SamplingConfig(1.0))))) for k in keys}
+    assert greedy == {(1, 0)}
+    assert len(drawn) > 3
+    assert pick._cache_size() == 1  # (one compiled function for both)
     with pytest.raises(TypeError, match="Sampler"):
-        sample(LOGITS, jax.random.PRNGKey(0), greedy=False)  # a sampling step needs its parameters
+        sample(LOGITS, jax.random.PRNGKey(0))  # a step samples with its parameters, not a bare key
 
 
 @pytest.mark.parametrize("vocab", [7, 1024, 2048, 5000, 49152])
@@ -156,16 +165,25 @@ def test_prefiltered_filters_equal_a_full_sort(cfg):
         assert (want[1] > 0).sum() > PREFILTER
 
 
-def test_new_sampling_values_compile_nothing(converted):
-    """Temperature, top-k and top-p are traced: after one sampling request, requests with other values
-    (and the same shapes) compile nothing; greedy is the one static switch."""
+@pytest.mark.parametrize("mode", ["ar", "bastion"])
+def test_new_sampling_values_compile_nothing(converted, mode):
+    """Temperature (0: greedy), top-k and top-p are traced: after the first request, requests with
+    other values, greedy or sampled in any order, compile nothing at the same shapes, and greedy
+    answers stay the same (seen to fail with greedy a static switch: 2 compilations at the first
+    sampled request)."""
+    from bastion_jax.checkpoints import random_drafter
     from bastion_jax.engine import Engine
+    from bastion_jax.testing import tiny_drafter_config
 
     _, target = converted("qwen3")
-    engine = Engine(target, stop_ids=[-1])
-    engine.generate([[5, 9, 11]], max_new_tokens=4, sampling=SamplingConfig(0.7))
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=4), seed=2) if mode == "bastion" else None
+    engine = Engine(target, stop_ids=[-1], drafter=drafter, buckets=(1, 4), top_k=2)
+    first = engine.generate([[5, 9, 11]], max_new_tokens=6, mode=mode)
     n = engine.compilations
-    for cfg in (SamplingConfig(1.3, top_k=5), SamplingConfig(0.9, top_p=0.8), SamplingConfig(2.0, 7, 0.5)):
-        res = engine.generate([[5, 9, 11]], max_new_tokens=4, sampling=cfg)
-        assert res.stats.compilations == 0 and res.stats.compilations_after_warmup == 0
+    for cfg in (SamplingConfig(0.7), SamplingConfig(1.3, top_k=5), SamplingConfig(), SamplingConfig(0.9, top_p=0.8),
+                SamplingConfig(2.0, 7, 0.5), SamplingConfig()):
+        res = engine.generate([[5, 9, 11]], max_new_tokens=6, mode=mode, sampling=cfg)
+        assert res.stats.compilations == 0 and res.stats.compilations_after_warmup == 0, cfg
+        if cfg.greedy:
+            assert res.tokens == first.tokens
     assert engine.compilations == n
