@@ -3,7 +3,9 @@
 Nothing about sampling is static: temperature, top-k and top-p travel as arrays in a `Sampler`
 together with the PRNG key, and greedy (temperature 0) is a traced branch (`lax.cond`: a greedy
 step runs only the argmax), so a request with other values, greedy or not, reuses the compiled
-steps (the cond costs ~0.01-0.03 ms a call on CPU). Top-k and top-p
+steps (the cond costs ~0.01-0.03 ms a call on CPU; on XLA:GPU a conditional outside a command buffer
+reads its predicate on the host, a stream sync per step whose cost is not measured yet: a GPU
+lease's perf_8b AR step against its HBM floor is where it would show). Top-k and top-p
 look at the `PREFILTER` largest logits only (`lax.top_k`, no full-vocabulary sort) and fall back
 to a bisection over the whole vocabulary only when the answer lies outside them, so the result is
 always exact and nothing sorts the vocabulary.
