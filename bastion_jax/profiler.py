@@ -50,6 +50,7 @@ class Point:
     fixed_loop_s: float  # one iteration of the fixed:b loop (each tree step dispatched before the last is read)
     fixed_host_s: float  # fixed_loop_s - device_s
     host_cpu_s: float = math.nan  # the host thread's own CPU time per bastion loop iteration (see _loop_time)
+    call_cpu_s: float = math.nan  # of which inside the compiled step's call (arguments, XLA's launch)
     roofline_s: float = math.nan  # LatencyModel.raw with the run's peaks
     calibrated_s: float = math.nan  # LatencyModel.predict after the fit
 
@@ -203,23 +204,24 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
             fixed = TreeLoop("fixed", Controller(Policy("fixed", b), buckets, loop_latency), None, steps, None,
                              loop_latency, buckets, tstate, dstate, box["curve"])
             rounds: dict[str, list[float]] = {"device": [], "loop_device": [], "loop": [], "fixed_loop": [],
-                                              "host_cpu": []}
+                                              "host_cpu": [], "call_cpu": []}
             n = max(reps, HOST_REPS)
             for r in range(ROUNDS):
                 w = warmup if r == 0 else 0
                 rounds["device"].append(_device_time(full, step, tstate, dstate, box, inactive, key, n, w))
                 rounds["loop_device"].append(
                     _device_time(None, root, tstate, dstate, box, inactive, key, n, w) if root else math.nan)
-                loop_s, cpu_s = _loop_time(bastion, box, c, rng, n, w, ahead=root is not None)
+                loop_s, cpu_s, call_s = _loop_time(bastion, box, c, rng, n, w, ahead=root is not None)
                 rounds["loop"].append(loop_s)
                 rounds["host_cpu"].append(cpu_s)
+                rounds["call_cpu"].append(call_s)
                 rounds["fixed_loop"].append(_loop_time(fixed, box, c, rng, n, w, ahead=True)[0])
             med = {k: statistics.median(v) for k, v in rounds.items()}
             loop_device_s = med["loop_device"] if root else med["device"]
             cells.append(dict(bucket=b, context=c, step_s=step_s, device_s=med["device"], verify_s=verify_s,
                               forward_s=forward_s, draft_s=draft_s, loop_s=med["loop"], loop_device_s=loop_device_s,
                               host_s=med["loop"] - loop_device_s, fixed_loop_s=med["fixed_loop"],
-                              fixed_host_s=med["fixed_loop"] - med["device"], host_cpu_s=med["host_cpu"]))
+                              fixed_host_s=med["fixed_loop"] - med["device"], host_cpu_s=med["host_cpu"], call_cpu_s=med["call_cpu"]))
             bar.update()
         ar_cache, state, curve = box["ar"], box["state"], box["curve"]
     compilations = compile_counter.compilations() - compiled_before
@@ -290,44 +292,70 @@ class _Holding:
         self.gate.observe_tree(curve)
 
 
+class _CallCpu:
+    """A step whose calls add the calling thread's CPU time to `spent[0]`: what the compiled call
+    itself costs the host (its arguments, and XLA's per-execution work on the calling thread, which
+    grows with the program's kernel count), apart from the loop's own Python and read."""
+
+    def __init__(self, step, spent: list):
+        self.step, self.spent = step, spent
+
+    def __call__(self, *args):
+        c0 = time.thread_time()
+        try:
+            return self.step(*args)
+        finally:
+            self.spent[0] += time.thread_time() - c0
+
+
 def _bastion_loop(steps: dict, roots: dict, controller, gate, b: int, tstate, dstate, curve):
     """The engine's tree loop (`TreeLoop`) as bastion runs it at bucket b: b > 1 (or no root steps) the
     controller's choice, computed and then pinned to b; b = 1 root steps that hold, under a gate whose
-    decisions are computed and then pinned to "hold"."""
+    decisions are computed and then pinned to "hold". Its steps count their calls' CPU time in the
+    loop's `call_cpu` ([seconds])."""
     from bastion_jax.tree_loop import TreeLoop
 
+    spent = [0.0]
     gate = _Holding(gate) if b == 1 and roots else None
-    return TreeLoop("bastion", _Pinned(controller, b), gate, steps, roots or None, controller.latency,
+    loop = TreeLoop("bastion", _Pinned(controller, b), gate, {k: _CallCpu(f, spent) for k, f in steps.items()},
+                    {k: _CallCpu(f, spent) for k, f in roots.items()} or None, controller.latency,
                     controller.buckets, tstate, dstate, curve)
+    loop.call_cpu = spent
+    return loop
 
 
-def _loop_time(loop, box: dict, c: int, rng, reps: int, warmup: int, ahead: bool) -> tuple[float, float]:
+def _loop_time(loop, box: dict, c: int, rng, reps: int, warmup: int, ahead: bool) -> tuple[float, float, float]:
     """Seconds per iteration of the engine's own tree loop (`TreeLoop.step`, greedy), `ahead`: with the
     next step dispatched before this one is read where the loop's policy does so: dispatch, one
     device->host read of tokens, counts and curve, the online latency update, plus the engine's
     per-row slicing of the tokens. As in the engine, a greedy step reuses its key. The device-side
     active mask is all False, so every iteration runs at context c.
 
-    Returns (seconds, host CPU seconds) per iteration. The second is the loop thread's own CPU time
+    Returns (seconds, host CPU seconds, call CPU seconds) per iteration. The second is the loop thread's own CPU time
     (`time.thread_time`: its Python, the dispatch, the read's copy; XLA runs steps on its own threads
     and a blocked read costs none): a direct measure of the host's work, where the first minus the
     device time is a difference of two timings a few % apart. Where nothing goes ahead of the read
-    (bastion's tree steps), the device is idle for exactly that time."""
+    (bastion's tree steps), the device is idle for exactly that time. The third is the part of the
+    second spent inside the compiled steps' calls (`_CallCpu`; NaN for a loop without that count)."""
     import jax
 
     from bastion_jax.sampling import SamplingConfig, sampler
 
     active, active_dev = np.ones(1, bool), jax.device_put(np.zeros(1, bool))
     params = sampler(rng, SamplingConfig())  # as the engine: made once per request
+    spent = getattr(loop, "call_cpu", None)
     t0 = c0 = 0.0
     for i in range(warmup + reps):
         if i == warmup:
             t0, c0 = time.perf_counter(), time.thread_time()
+            if spent is not None:
+                spent[0] = 0.0
         box["state"], toks, counts = loop.step(box["state"], active, active_dev, np.full(1, c), lambda: params,
                                                look_ahead=ahead, tree_ahead=ahead)
         _ = [toks[r, : counts[r]] for r in range(toks.shape[0])]
     elapsed, cpu = (time.perf_counter() - t0) / reps, (time.thread_time() - c0) / reps
+    call = spent[0] / reps if spent is not None else math.nan
     if loop.queued is not None:  # the step dispatched past the last read: its state is the box's already
         jax.block_until_ready(loop.queued[2].count)
         loop.queued = None
-    return elapsed, cpu
+    return elapsed, cpu, call

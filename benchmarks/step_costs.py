@@ -55,7 +55,8 @@ def summarise(profiles: dict[int, object]) -> dict:
             "ar_step_s": {str(c): t for c, t in prof.ar_step_s.items()},
             "cells": [dict(dataclasses.asdict(p), verify_over_forward=p.verify_s / p.forward_s,
                            draft_over_ar=p.draft_s / prof.ar_step_s[p.context], host_frac=p.host_s / p.loop_s,
-                           fixed_host_frac=p.fixed_host_s / p.fixed_loop_s, host_cpu_frac=p.host_cpu_s / p.loop_s)
+                           fixed_host_frac=p.fixed_host_s / p.fixed_loop_s, host_cpu_frac=p.host_cpu_s / p.loop_s,
+                           call_cpu_frac=p.call_cpu_s / p.loop_s)
                       for p in prof.points],
             "compilations_during_timing": prof.compilations_during_timing,
         }
@@ -74,19 +75,21 @@ def markdown(meta: dict, summary: dict) -> str:
     for cache_len, r in summary["per_cache"].items():
         lines += [f"## cache {cache_len} slots", "",
                   "| bucket | context | verify ms | plain forward ms | verify / forward [<= 1.10] | draft ms | "
-                  "AR ms | draft / AR [<= 0.35] | host % bastion [<= 3] | host CPU % bastion | host % fixed:b [<= 3] |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "AR ms | draft / AR [<= 0.35] | host % bastion [<= 3] | host CPU % bastion | of which step call % | host % fixed:b [<= 3] |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in r["cells"]:
             ar = r["ar_step_s"][str(c["context"])]
             lines.append(f"| {c['bucket']} | {c['context']} | {c['verify_s'] * 1e3:.2f} | {c['forward_s'] * 1e3:.2f} | "
                          f"{c['verify_over_forward']:.2f} | {c['draft_s'] * 1e3:.2f} | {ar * 1e3:.2f} | "
                          f"{c['draft_over_ar']:.2f} | {100 * c['host_frac']:.1f} | {100 * c['host_cpu_frac']:.1f} | "
-                         f"{100 * c['fixed_host_frac']:.1f} |")
+                         f"{100 * c['call_cpu_frac']:.1f} | {100 * c['fixed_host_frac']:.1f} |")
         lines += ["", f"Compilations during timing: {r['compilations_during_timing']}.", "",
                   "host %: (loop iteration - device time) / loop iteration, a difference of two timings (noise "
                   "about +-2%). host CPU %: the loop thread's own CPU time / loop iteration, measured directly; "
                   "where bastion's next step waits for the read (b > 1) the device is idle for exactly that time, "
-                  "at b = 1 its root steps go out ahead and the time overlaps the device's.", ""]
+                  "at b = 1 its root steps go out ahead and the time overlaps the device's. of which step call %: the part "
+                  "of that CPU time inside the compiled step's call (its arguments and XLA's per-execution work on the "
+                  "calling thread, which grows with the step's kernel count); the rest is the loop's Python and read.", ""]
     if summary["cache_ratio"]:
         caches = list(summary["per_cache"])
         lines += [f"## cache {max(map(int, caches))} slots over cache {min(map(int, caches))} slots [<= 1.15]", "",

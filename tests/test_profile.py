@@ -331,6 +331,8 @@ def test_step_costs_compare_two_cache_lengths(tmp_path):
         assert all(finite_positive(c[k]) for c in r["cells"] for k in ("verify_over_forward", "draft_over_ar"))
         # the loop thread's own CPU time: some, and never more than the loop's wall time (+ timer slack)
         assert all(0 < c["host_cpu_s"] <= c["loop_s"] * 1.05 + 1e-3 for c in r["cells"])
+        # of which inside the compiled steps' calls: some (every iteration calls one), never more
+        assert all(0 < c["call_cpu_s"] <= c["host_cpu_s"] + 1e-4 for c in r["cells"])
         assert r["compilations_during_timing"] == 0
     assert set(raw["cache_ratio"]) == {"1@16", "4@16", "ar"}
     assert all(finite_positive(v["verify"]) for k, v in raw["cache_ratio"].items() if k != "ar")
