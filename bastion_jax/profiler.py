@@ -200,7 +200,7 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
             # (a slow spell of the machine hits both) and the median round is kept.
             # bastion's own choice at b = 1 is a root step (it never verifies a 1-node tree).
             root = roots.get(HOLD) if b == 1 else None
-            bastion = _bastion_loop(steps, roots, controller, gate, b, tstate, dstate, box["curve"])
+            bastion, call_cpu = _bastion_loop(steps, roots, controller, gate, b, tstate, dstate, box["curve"])
             fixed = TreeLoop("fixed", Controller(Policy("fixed", b), buckets, loop_latency), None, steps, None,
                              loop_latency, buckets, tstate, dstate, box["curve"])
             rounds: dict[str, list[float]] = {"device": [], "loop_device": [], "loop": [], "fixed_loop": [],
@@ -211,7 +211,8 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
                 rounds["device"].append(_device_time(full, step, tstate, dstate, box, inactive, key, n, w))
                 rounds["loop_device"].append(
                     _device_time(None, root, tstate, dstate, box, inactive, key, n, w) if root else math.nan)
-                loop_s, cpu_s, call_s = _loop_time(bastion, box, c, rng, n, w, ahead=root is not None)
+                loop_s, cpu_s, call_s = _loop_time(bastion, box, c, rng, n, w, ahead=root is not None,
+                                                   spent=call_cpu)
                 rounds["loop"].append(loop_s)
                 rounds["host_cpu"].append(cpu_s)
                 rounds["call_cpu"].append(call_s)
@@ -221,7 +222,8 @@ def run_profile(engine, contexts: Sequence[int], cache_len: int, *, reps: int = 
             cells.append(dict(bucket=b, context=c, step_s=step_s, device_s=med["device"], verify_s=verify_s,
                               forward_s=forward_s, draft_s=draft_s, loop_s=med["loop"], loop_device_s=loop_device_s,
                               host_s=med["loop"] - loop_device_s, fixed_loop_s=med["fixed_loop"],
-                              fixed_host_s=med["fixed_loop"] - med["device"], host_cpu_s=med["host_cpu"], call_cpu_s=med["call_cpu"]))
+                              fixed_host_s=med["fixed_loop"] - med["device"], host_cpu_s=med["host_cpu"],
+                              call_cpu_s=med["call_cpu"]))
             bar.update()
         ar_cache, state, curve = box["ar"], box["state"], box["curve"]
     compilations = compile_counter.compilations() - compiled_before
@@ -311,8 +313,8 @@ class _CallCpu:
 def _bastion_loop(steps: dict, roots: dict, controller, gate, b: int, tstate, dstate, curve):
     """The engine's tree loop (`TreeLoop`) as bastion runs it at bucket b: b > 1 (or no root steps) the
     controller's choice, computed and then pinned to b; b = 1 root steps that hold, under a gate whose
-    decisions are computed and then pinned to "hold". Its steps count their calls' CPU time in the
-    loop's `call_cpu` ([seconds])."""
+    decisions are computed and then pinned to "hold". Returns (loop, [seconds]): its steps add their
+    calls' CPU time to the list's one entry (`_CallCpu`)."""
     from bastion_jax.tree_loop import TreeLoop
 
     spent = [0.0]
@@ -320,30 +322,30 @@ def _bastion_loop(steps: dict, roots: dict, controller, gate, b: int, tstate, ds
     loop = TreeLoop("bastion", _Pinned(controller, b), gate, {k: _CallCpu(f, spent) for k, f in steps.items()},
                     {k: _CallCpu(f, spent) for k, f in roots.items()} or None, controller.latency,
                     controller.buckets, tstate, dstate, curve)
-    loop.call_cpu = spent
-    return loop
+    return loop, spent
 
 
-def _loop_time(loop, box: dict, c: int, rng, reps: int, warmup: int, ahead: bool) -> tuple[float, float, float]:
+def _loop_time(loop, box: dict, c: int, rng, reps: int, warmup: int, ahead: bool,
+               spent: list | None = None) -> tuple[float, float, float]:
     """Seconds per iteration of the engine's own tree loop (`TreeLoop.step`, greedy), `ahead`: with the
     next step dispatched before this one is read where the loop's policy does so: dispatch, one
     device->host read of tokens, counts and curve, the online latency update, plus the engine's
     per-row slicing of the tokens. As in the engine, a greedy step reuses its key. The device-side
     active mask is all False, so every iteration runs at context c.
 
-    Returns (seconds, host CPU seconds, call CPU seconds) per iteration. The second is the loop thread's own CPU time
-    (`time.thread_time`: its Python, the dispatch, the read's copy; XLA runs steps on its own threads
-    and a blocked read costs none): a direct measure of the host's work, where the first minus the
-    device time is a difference of two timings a few % apart. Where nothing goes ahead of the read
-    (bastion's tree steps), the device is idle for exactly that time. The third is the part of the
-    second spent inside the compiled steps' calls (`_CallCpu`; NaN for a loop without that count)."""
+    Returns (seconds, host CPU seconds, call CPU seconds) per iteration. The second is the loop
+    thread's own CPU time (`time.thread_time`: its Python, the dispatch with XLA's per-execution work
+    on the calling thread, the read's copy; the step itself runs on XLA's threads and a blocked read
+    costs none): a direct measure of the host's work, where the first minus the device time is a
+    difference of two timings a few % apart. Where nothing goes ahead of the read (bastion's tree
+    steps), the device is idle for exactly that time. The third is the part of the second spent inside
+    the compiled steps' calls, from `spent` (`_bastion_loop`'s count; NaN without one)."""
     import jax
 
     from bastion_jax.sampling import SamplingConfig, sampler
 
     active, active_dev = np.ones(1, bool), jax.device_put(np.zeros(1, bool))
     params = sampler(rng, SamplingConfig())  # as the engine: made once per request
-    spent = getattr(loop, "call_cpu", None)
     t0 = c0 = 0.0
     for i in range(warmup + reps):
         if i == warmup:

@@ -75,7 +75,8 @@ def markdown(meta: dict, summary: dict) -> str:
     for cache_len, r in summary["per_cache"].items():
         lines += [f"## cache {cache_len} slots", "",
                   "| bucket | context | verify ms | plain forward ms | verify / forward [<= 1.10] | draft ms | "
-                  "AR ms | draft / AR [<= 0.35] | host % bastion [<= 3] | host CPU % bastion | of which step call % | host % fixed:b [<= 3] |",
+                  "AR ms | draft / AR [<= 0.35] | host % bastion [<= 3] | host CPU % bastion | of which step call % | "
+                  "host % fixed:b [<= 3] |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in r["cells"]:
             ar = r["ar_step_s"][str(c["context"])]
@@ -87,9 +88,10 @@ def markdown(meta: dict, summary: dict) -> str:
                   "host %: (loop iteration - device time) / loop iteration, a difference of two timings (noise "
                   "about +-2%). host CPU %: the loop thread's own CPU time / loop iteration, measured directly; "
                   "where bastion's next step waits for the read (b > 1) the device is idle for exactly that time, "
-                  "at b = 1 its root steps go out ahead and the time overlaps the device's. of which step call %: the part "
-                  "of that CPU time inside the compiled step's call (its arguments and XLA's per-execution work on the "
-                  "calling thread, which grows with the step's kernel count); the rest is the loop's Python and read.", ""]
+                  "at b = 1 its root steps go out ahead and the time overlaps the device's. of which step call %: "
+                  "the part of that CPU time inside the compiled step's call (its arguments and XLA's per-execution "
+                  "work on the calling thread, which grows with the step's kernel count); the rest is the loop's "
+                  "Python and read.", ""]
     if summary["cache_ratio"]:
         caches = list(summary["per_cache"])
         lines += [f"## cache {max(map(int, caches))} slots over cache {min(map(int, caches))} slots [<= 1.15]", "",
