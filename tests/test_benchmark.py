@@ -26,8 +26,14 @@ def test_harness_writes_results_and_all_modes_match_ar(tmp_path):
     assert all(r["identical_to_ar"] for r in data["rows"])
     assert all(r["compilations_after_warmup"] == 0 for r in data["rows"])
     assert data["overall"]["ar"]["ratio_to_ar"] == 1.0
+    assert data["overall"]["ar"]["decode_ratio_to_ar"] == 1.0
+    for mode, o in data["overall"].items():  # decoding alone: the tokens after each prompt's first, after its prefill
+        mine = [r for r in data["rows"] if r["mode"] == mode]
+        decode = sum(r["new_tokens"] - 1 for r in mine) / sum(r["decode_s"] for r in mine)
+        assert abs(o["decode_tokens_per_s"] - decode) < 1e-6 * decode
+        assert abs(o["ttft_ms"] - 1e3 * sum(r["ttft_s"] for r in mine) / len(mine)) < 1e-6 * o["ttft_ms"]
     table = (tmp_path / "out" / "tiny.md").read_text()
-    assert "| bastion |" in table and "NO" not in table
+    assert "| bastion |" in table and "NO" not in table and "| decode ratio to AR |" in table
     assert set(data["tau_by_source"]) == {"p"} and set(data["tau_by_source"]["p"]) == set(data["overall"])
     assert data["tau_by_source"]["p"]["ar"] == 1.0 and "tau by prompt set" in table
     assert "best fixed in hindsight" in table and "*" in table.split("best fixed")[1]
