@@ -4,11 +4,12 @@
         --drafter DIR --name smollm2-gsm8k
 
 Per prompt (or batch of prompts, `--batch`), per set and overall: tau (mean accepted + 1 per step),
-tokens/s, the ratio to AR measured in this run (and of decoding alone, with the mean time to first token), the best fixed budget in hindsight, the bucket
-histogram, and whether the tokens equal AR's (they must at T=0; at T > 0, `--temperature`, each mode
-draws its own samples and the answers are not compared: every mode samples the target's law
-exactly, so the figures are the speed of the same sampling). Writes benchmarks/results/<name>.json,
-.md, .csv and .png, stamped with device, date and commit. Prompt files are read in place, never copied.
+tokens/s, the ratio to AR measured in this run (overall also of decoding alone, with the mean time to
+first token), the best fixed budget in hindsight, the bucket histogram, and whether the tokens equal
+AR's (they must at T=0; at T > 0, `--temperature`, each mode draws its own samples and the answers are
+not compared: every mode samples the target's law exactly, so the figures are the speed of the same
+sampling). Writes benchmarks/results/<name>.json, .md, .csv and .png, stamped with device, date and
+commit. Prompt files are read in place, never copied.
 Runs on CPU with tiny models (slowly) and on GPU for real numbers.
 """
 
