@@ -48,12 +48,12 @@ def sampling_words(sampling) -> str:
     return words + " (answers not compared: each run draws its own samples)"
 
 
-def decode_rate(totals: dict) -> float:
-    """Tokens/s of decoding alone: every token after each row's first (which the prefill gives), over
-    the engine's time after the prefill. On long prompts the prefill, the same work in every mode, is
+def decode_rate(totals: dict, rows: int) -> float:
+    """Tokens/s of decoding alone: every token after each of the `rows` prompts' first (which the
+    prefill gives), over the engine's time after the prefill. On long prompts the prefill, the same work in every mode, is
     a large part of the wall time and dilutes the ratio of tokens/s (a 770-token summarisation prompt:
     ~40% of a 96-token answer's time on the 2-core CPU), so both figures are reported."""
-    return (totals["tokens"] - totals["first_tokens"]) / totals["decode"] if totals["decode"] > 0 else 0.0
+    return (totals["tokens"] - rows) / totals["decode"] if totals["decode"] > 0 else 0.0
 
 
 def identity_cell(identical: bool | None) -> str:
@@ -202,8 +202,8 @@ def measure(args, prompts: list[tuple[str, str]], buckets: tuple[int, ...], mode
     for mode in modes:
         engine.generate(ids[: args.batch], max_new_tokens=min(8, args.max_new_tokens), mode=mode, max_len=cache_len,
                         sampling=sampling, seed=args.seed)
-    rows, totals = [], {m: {"tokens": 0, "seconds": 0.0, "committed": 0, "steps": 0, "buckets": {}, "requests": 0,
-                            "ttft": 0.0, "decode": 0.0, "first_tokens": 0} for m in modes}
+    rows, totals = [], {m: {"tokens": 0, "seconds": 0.0, "committed": 0, "steps": 0, "buckets": {}, "ttft": 0.0,
+                            "decode": 0.0} for m in modes}
     for i, first in enumerate(range(0, len(prompts), args.batch)):
         group = range(first, first + args.batch)
         batch = [ids[j] for j in group]
@@ -234,10 +234,8 @@ def measure(args, prompts: list[tuple[str, str]], buckets: tuple[int, ...], mode
             t = totals[mode]
             t["tokens"] += s.new_tokens
             t["seconds"] += s.ttft_s + s.decode_s
-            t["requests"] += 1
             t["ttft"] += s.ttft_s
             t["decode"] += s.decode_s
-            t["first_tokens"] += len(batch)  # each row's first token comes out of the prefill (TTFT)
             t["committed"] += s.committed
             t["steps"] += s.row_steps
             for b, n in s.buckets.items():
@@ -252,12 +250,13 @@ def measure(args, prompts: list[tuple[str, str]], buckets: tuple[int, ...], mode
             mine = [r for r in rows if r["source"] == src and r["mode"] == m]
             by_source[src][m] = sum(r["tau"] * r["steps"] for r in mine) / max(1, sum(r["steps"] for r in mine))
     ar_rate = totals["ar"]["tokens"] / totals["ar"]["seconds"]
-    ar_decode = decode_rate(totals["ar"])
+    requests = len(prompts) // args.batch
+    ar_decode = decode_rate(totals["ar"], len(prompts))
     overall = {m: {"tau": t["committed"] / t["steps"] if t["steps"] else 0.0,
                    "tokens_per_s": t["tokens"] / t["seconds"],
                    "ratio_to_ar": t["tokens"] / t["seconds"] / ar_rate, "buckets": t["buckets"],
-                   "ttft_ms": 1e3 * t["ttft"] / max(t["requests"], 1), "decode_tokens_per_s": decode_rate(t),
-                   "decode_ratio_to_ar": decode_rate(t) / ar_decode if ar_decode > 0 else 0.0,
+                   "ttft_ms": 1e3 * t["ttft"] / requests, "decode_tokens_per_s": decode_rate(t, len(prompts)),
+                   "decode_ratio_to_ar": decode_rate(t, len(prompts)) / ar_decode if ar_decode > 0 else 0.0,
                    "all_identical_to_ar": (all(r["identical_to_ar"] for r in rows if r["mode"] == m)
                                            if sampling.greedy else None)}
                for m, t in totals.items()}
