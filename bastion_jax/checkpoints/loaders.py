@@ -9,6 +9,7 @@ converts it in memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import sys
@@ -64,8 +65,19 @@ def _module(cfg: TargetConfig | DrafterConfig, dtype: jnp.dtype, seed: int = 0):
     return cls(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
 
 
+@functools.lru_cache(maxsize=32)
+def _abstract(cfg: TargetConfig | DrafterConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """The module's graph and parameter shapes, traced once per config and dtype. Why cached: tracing
+    the construction (`nnx.eval_shape`) takes ~1 s for SmolLM2's 272 parameters, growing with the square
+    of their count (each parameter's `sharding` probe of its tracer builds an error message over the
+    whole trace so far), and a load asked for it twice (the restore's target shapes, then the merge)."""
+    return nnx.split(nnx.eval_shape(lambda: _module(cfg, dtype)))
+
+
 def abstract_state(cfg: TargetConfig | DrafterConfig, dtype: jnp.dtype) -> nnx.State:
-    return nnx.state(nnx.eval_shape(lambda: _module(cfg, dtype)))
+    """Every parameter's shape and dtype (`jax.ShapeDtypeStruct` leaves), as a fresh `State` the caller
+    may fill in place."""
+    return jax.tree.map(lambda x: x, _abstract(cfg, jnp.dtype(dtype))[1])
 
 
 def abstract_target_state(cfg: TargetConfig, dtype: jnp.dtype) -> nnx.State:
@@ -111,7 +123,7 @@ def save_drafter(out: Path, cfg: DrafterConfig, params: dict[str, Any], source: 
 
 
 def _merge(cfg, dtype: jnp.dtype, params: dict[str, Any]) -> tuple[nnx.GraphDef, nnx.State]:
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: _module(cfg, dtype)))
+    graphdef, state = _abstract(cfg, jnp.dtype(dtype))[0], abstract_state(cfg, dtype)
     params = match_layout(params, nnx.to_pure_dict(state))
     if getattr(cfg, "weights_in_out", False):  # checkpoints are in HF layout
         params = swap_dense(params)
