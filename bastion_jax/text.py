@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,14 +16,14 @@ def load_tokenizer(target: "Target"):
     A GGUF target's tokenizer is built from the file's metadata by `bastion_jax.gguf_tokenizer`
     (transformers' own `gguf_file=` path imports torch, a test-only dependency); any other target
     dir holds ordinary tokenizer files (a converted GGUF checkpoint included: the converter saves
-    them), which `AutoTokenizer` reads without torch.
+    them), which `AutoTokenizer` reads without torch; a converted checkpoint's straight into the class
+    `AutoTokenizer` would pick (`_plain_fast_tokenizer`), without its detour through torch.
     """
     from bastion_jax.checkpoints import CheckpointError
     from bastion_jax.gguf_tokenizer import GGUFTokenizerError, load_gguf_tokenizer, quiet_transformers
 
     quiet_transformers()
     import transformers
-    from transformers import AutoTokenizer
 
     transformers.logging.set_verbosity_error()
     if target.tokenizer_gguf:
@@ -31,11 +32,39 @@ def load_tokenizer(target: "Target"):
         except GGUFTokenizerError as e:
             raise CheckpointError(str(e)) from None
     try:
+        if _plain_fast_tokenizer(Path(target.tokenizer_dir)):
+            from transformers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(str(target.tokenizer_dir))
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(target.tokenizer_dir))
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"no usable tokenizer in {target.tokenizer_dir} (need tokenizer.json or "
                               f"tokenizer_config.json, or a GGUF file): {first}") from None
+
+
+# Architectures whose tokenizer `AutoTokenizer` builds as the class a fast tokenizer's config names
+# (transformers 5 maps some others, qwen2 among them, to a registered class of their own).
+PLAIN_TOKENIZER_TYPES = ("llama", "qwen3")
+
+
+def _plain_fast_tokenizer(directory: Path) -> bool:
+    """True where `AutoTokenizer` would hand back a plain `TokenizersBackend` read from tokenizer.json:
+    a fast tokenizer's config (class TokenizersBackend / PreTrainedTokenizerFast, no remote code) beside
+    a model config of a `PLAIN_TOKENIZER_TYPES` architecture, as every converted checkpoint has. Why:
+    `AutoTokenizer` first imports the model-config machinery, and with it torch where torch is installed
+    (~2.5-4 s of every load on a 2-core CPU), to arrive at that same class; `tests/test_text.py` holds
+    the two to the same tokenizer."""
+    try:
+        tok_cfg = json.loads((directory / "tokenizer_config.json").read_text())
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (isinstance(tok_cfg, dict) and (directory / "tokenizer.json").is_file() and "auto_map" not in tok_cfg
+            and tok_cfg.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
+            and model_type in PLAIN_TOKENIZER_TYPES)
 
 
 def encode_prompt(tokenizer, text: str, *, chat: bool = True, system: str | None = None) -> list[int]:
