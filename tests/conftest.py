@@ -7,9 +7,13 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # Most of the suite's time is XLA compiling the same steps again (in both xdist workers, in the CLI
 # subprocesses, in the next run): JAX's persistent compilation cache keeps each executable once, keyed
 # by its HLO and compile options, so a hit is the very executable a compile would give. Capped at 4 GiB.
+# Every compile is kept, however short: the tiny models' steps compile in 0.01-0.2 s each, but an engine
+# compiles its own (`Executables.compiled` bypasses jit's in-memory cache), so a file builds the same
+# programs again and again (test_cond_head.py: 642 such compiles, 18.6 s; kept, the file's warm run
+# 107 -> 93 s, each entry ~8 KB).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"bastion_jax-tests-xla-cache-{os.getuid()}"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 # On CPU a target's layer weights take the layout this machine multiplies faster, measured once
 # (`checkpoints.layout_probe`). The suite pins one so that every worker and CLI subprocess lays models
