@@ -57,10 +57,12 @@ def _plain_fast_tokenizer(directory: Path) -> bool:
     `AutoTokenizer` first imports the model-config machinery, and with it torch where torch is installed
     (~2.5-4 s of every load on a 2-core CPU), to arrive at that same class; `tests/test_text.py` holds
     the two to the same tokenizer."""
+    from bastion_jax.config import read_config_json
+
     try:
         tok_cfg = json.loads((directory / "tokenizer_config.json").read_text())
-        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
+        model_type = read_config_json(directory / "config.json").get("model_type")
+    except (OSError, ValueError):  # (ConfigError is a ValueError)
         return False
     return (isinstance(tok_cfg, dict) and (directory / "tokenizer.json").is_file() and "auto_map" not in tok_cfg
             and tok_cfg.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")

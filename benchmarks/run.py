@@ -50,9 +50,10 @@ def sampling_words(sampling) -> str:
 
 def decode_rate(totals: dict, rows: int) -> float:
     """Tokens/s of decoding alone: every token after each of the `rows` prompts' first (which the
-    prefill gives), over the engine's time after the prefill. On long prompts the prefill, the same work in every mode, is
-    a large part of the wall time and dilutes the ratio of tokens/s (a 770-token summarisation prompt:
-    ~40% of a 96-token answer's time on the 2-core CPU), so both figures are reported."""
+    prefill gives), over the engine's time after the prefill. On long prompts the prefill, the same
+    work in every mode, is a large part of the wall time and dilutes the ratio of tokens/s (a
+    770-token summarisation prompt: ~40% of a 96-token answer's time on the 2-core CPU), so both
+    figures are reported."""
     return (totals["tokens"] - rows) / totals["decode"] if totals["decode"] > 0 else 0.0
 
 
@@ -251,12 +252,12 @@ def measure(args, prompts: list[tuple[str, str]], buckets: tuple[int, ...], mode
             by_source[src][m] = sum(r["tau"] * r["steps"] for r in mine) / max(1, sum(r["steps"] for r in mine))
     ar_rate = totals["ar"]["tokens"] / totals["ar"]["seconds"]
     requests = len(prompts) // args.batch
-    ar_decode = decode_rate(totals["ar"], len(prompts))
+    decode = {m: decode_rate(t, len(prompts)) for m, t in totals.items()}
     overall = {m: {"tau": t["committed"] / t["steps"] if t["steps"] else 0.0,
                    "tokens_per_s": t["tokens"] / t["seconds"],
                    "ratio_to_ar": t["tokens"] / t["seconds"] / ar_rate, "buckets": t["buckets"],
-                   "ttft_ms": 1e3 * t["ttft"] / requests, "decode_tokens_per_s": decode_rate(t, len(prompts)),
-                   "decode_ratio_to_ar": decode_rate(t, len(prompts)) / ar_decode if ar_decode > 0 else 0.0,
+                   "ttft_ms": 1e3 * t["ttft"] / requests, "decode_tokens_per_s": decode[m],
+                   "decode_ratio_to_ar": decode[m] / decode["ar"] if decode["ar"] > 0 else 0.0,
                    "all_identical_to_ar": (all(r["identical_to_ar"] for r in rows if r["mode"] == m)
                                            if sampling.greedy else None)}
                for m, t in totals.items()}
