@@ -17,6 +17,10 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
+from bastion_jax.stats import Stats
+
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 STANDARD_SETS = {  # name -> file in ../shared/data (evaluation sets: never trained on)
     "mt_bench": "mt_bench_questions.jsonl.gz",
@@ -79,36 +83,67 @@ def set_name(path: str | Path) -> str:
     return Path(path).name.split(".")[0]
 
 
+def decode(engine, prompts: list[list[int]], max_new_tokens: int, mode: str) -> tuple[list[list[int]], Stats,
+                                                                                     list[int]]:
+    """(new tokens per prompt, statistics, the token each row step ended on) of one batch: the last
+    token a row committed in a step is the target's own, where that step's drafted run stopped (or
+    the block, the budget or a stop token ended it)."""
+    stats = Stats()
+    out: list[list[int]] = [[] for _ in prompts]
+    ended: list[int] = []
+    for step in engine.stream(prompts, max_new_tokens=max_new_tokens, mode=mode, stats=stats):
+        for row, toks in zip(out, step):
+            if toks:
+                row.extend(toks)
+                ended.append(toks[-1])
+    return out, stats, ended
+
+
 def acceptance(engine, sets: dict[str, list[list[int]]], modes: Sequence[str], max_new_tokens: int,
-               batch_size: int = 8, progress=None) -> dict[str, dict[str, dict]]:
-    """{set: {mode: {tau, steps, committed, identical_to_ar, buckets}}} for prompt token lists per set.
+               batch_size: int = 8, progress=None, rare: np.ndarray | None = None) -> dict[str, dict[str, dict]]:
+    """{set: {mode: {tau, steps, committed, identical_to_ar, buckets[, ended_rare, rare_share]}}} for
+    prompt token lists per set.
 
     AR runs first on every batch as the reference; every other mode's tokens must equal it (T=0).
-    `progress(set, mode, stats)` is called after each batch when given."""
+    `rare` [vocab] bool marks the tokens a drafter rarely or never learnt to draft (outside its ranked
+    top N: its training loss ignored them, and a tree drafting over that vocabulary cannot offer
+    them); then each mode also counts `ended_rare`, its row steps that ended on such a token, and
+    `rare_share` is their share of the AR text. `progress(set, mode, stats)` is called after each
+    batch when given."""
     report: dict[str, dict[str, dict]] = {}
     for name, prompts in sets.items():
         rows = {m: {"steps": 0, "committed": 0, "identical_to_ar": True, "buckets": {}} for m in modes}
+        text = text_rare = 0
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i:i + batch_size]
-            reference = engine.generate(chunk, max_new_tokens=max_new_tokens, mode="ar").tokens
+            reference = decode(engine, chunk, max_new_tokens, "ar")[0]
+            if rare is not None:
+                text += sum(len(t) for t in reference)
+                text_rare += sum(int(rare[x]) for t in reference for x in t)
             for m in modes:
-                res = engine.generate(chunk, max_new_tokens=max_new_tokens, mode=m)
+                tokens, stats, ended = decode(engine, chunk, max_new_tokens, m)
                 r = rows[m]
-                r["steps"] += res.stats.row_steps
-                r["committed"] += res.stats.committed
-                r["identical_to_ar"] &= res.tokens == reference
-                for b, n in res.stats.buckets.items():
+                r["steps"] += stats.row_steps
+                r["committed"] += stats.committed
+                r["identical_to_ar"] &= tokens == reference
+                for b, n in stats.buckets.items():
                     r["buckets"][str(b)] = r["buckets"].get(str(b), 0) + n
+                if rare is not None:
+                    r["ended_rare"] = r.get("ended_rare", 0) + sum(int(rare[x]) for x in ended)
                 if progress:
-                    progress(name, m, res.stats)
+                    progress(name, m, stats)
         for r in rows.values():
             r["tau"] = r["committed"] / r["steps"] if r["steps"] else 0.0
+            if rare is not None:
+                r["rare_share"] = text_rare / text if text else 0.0
         report[name] = rows
     return report
 
 
-def markdown(report: dict[str, dict[str, dict]], modes: Sequence[str]) -> list[str]:
-    """tau per set (rows) and mode (columns), pooled over each set's steps, with an 'all' row."""
+def markdown(report: dict[str, dict[str, dict]], modes: Sequence[str], rare_top: int | None = None) -> list[str]:
+    """tau per set (rows) and mode (columns), pooled over each set's steps, with an 'all' row; with
+    `rare_top` (the report counted `acceptance(rare=...)` for the top-N ranking), the share of row steps
+    per mode that ended on a token outside it."""
     lines = ["| set | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
     for name, rows in report.items():
         lines.append(f"| {name} | " + " | ".join(f"{rows[m]['tau']:.2f}" for m in modes) + " |")
@@ -119,6 +154,16 @@ def markdown(report: dict[str, dict[str, dict]], modes: Sequence[str]) -> list[s
     lines.append("| all | " + " | ".join(f"{t:.2f}" for t in pooled) + " |")
     same = all(rows[m]["identical_to_ar"] for rows in report.values() for m in modes)
     lines += ["", f"Every mode's text identical to AR: {'yes' if same else 'NO'}."]
+    if rare_top is not None:
+        ended = []
+        for m in modes:
+            steps = sum(rows[m]["steps"] for rows in report.values())
+            ended.append(f"{m} {sum(rows[m]['ended_rare'] for rows in report.values()) / steps:.1%}" if steps else m)
+        lines += ["", f"Row steps that ended on a token outside the drafter's top {rare_top} ranked tokens (what "
+                  f"its training loss scored and a tree over that vocabulary drafts; the drafted run stopped there): "
+                  f"{', '.join(ended)}; such tokens are "
+                  + ", ".join(f"{n} {rows[modes[0]]['rare_share']:.1%}" for n, rows in report.items())
+                  + " of the AR text."]
     return lines
 
 

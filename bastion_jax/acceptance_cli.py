@@ -95,6 +95,7 @@ def run_eval(args, target, log) -> None:
     import datetime
 
     import jax
+    import numpy as np
 
     from bastion_jax.acceptance import (acceptance, markdown, read_prompts, resolve_prompt_file, set_name,
                                         write_report)
@@ -126,9 +127,16 @@ def run_eval(args, target, log) -> None:
     log(f"eval: {drafter_dir} on {', '.join(f'{n} ({len(p)})' for n, p in sets.items())}, modes "
         f"{', '.join(modes)}, {args.max_new_tokens} new tokens, batches of {args.batch_size}, T=0, buckets "
         f"{','.join(map(str, buckets))}")
-    report = acceptance(engine, sets, modes, args.max_new_tokens, args.batch_size,
+    # Where drafted runs stop on tokens the drafter's vocabulary leaves out (trees cannot draft them; its
+    # training scored no loss on them, so chains over the full vocabulary rarely do either).
+    rare_top = int(engine.draft_vocab.ids.shape[0]) if engine.draft_vocab is not None else None
+    rare = None
+    if rare_top is not None:
+        rare = np.ones(target.config.vocab_size, bool)
+        rare[np.asarray(engine.draft_vocab.ids)] = False
+    report = acceptance(engine, sets, modes, args.max_new_tokens, args.batch_size, rare=rare,
                         progress=None if args.quiet else lambda n, m, st: log(f"  {n} {m}: tau {st.tau:.2f}"))
-    lines = markdown(report, modes)
+    lines = markdown(report, modes, rare_top)
     print("\n".join(lines))
     if args.out:
         meta = {"drafter": str(drafter_dir), "target": str(target.path), "dtype": target.dtype.name,
