@@ -160,7 +160,10 @@ for f in "$here"/greedy.npz "$here"/t07.npz "$here"/t07s*.npz "$here"/g[0-9]*.np
 done
 common=(--target "$TARGET" --data "${sets[@]}" "${new[@]}" --block-size 16
         --seq-len 384 --anchors 64 --batch-size "$TBS" --distill 0.5 --marginal 1.0 --held-out 128 --eval-every 200 --save-every 1000
-        --steps "$STEPS" --no-feature-cache)
+        --steps "$STEPS" --no-feature-cache --draft-vocab "${VOCAB:-32768}")
+# The loss over the top VOCAB ranked tokens (default 32768, 98% of the evaluation sets' AR text): at 8192 the
+# drafter never learnt the other 10% of the text's tokens, 17% of where its chains stopped (2026-12-07,
+# benchmarks/results/cpu-smollm2-drafter-v19-vocab16384-candidate.md); a GPU step pays little for more rows.
 # One trainer (the GPU time-slices between processes): the shipped drafter continued; with DEEP=1 a
 # 4-layer drafter trains beside it, grown from the shipped one (`--init ... --layers 4`: two copies of
 # its last layer with zeroed output projections, so it starts at the shipped drafter's acceptance; a
