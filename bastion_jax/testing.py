@@ -141,35 +141,6 @@ def next_token_logits(target, seqs):
     return np.asarray(out.logits, np.float64)
 
 
-def bf16_tie_divergences(target, prompts, got, want, rel: float = 2.0 ** -7) -> list[str]:
-    """Rows where `got` differs from the greedy reference `want` other than by a bfloat16 tie.
-
-    A verify forward over many tree nodes and an AR step sum attention and matmuls in different
-    orders; in bfloat16 those rounding differences reach ~2^-8 of a logit, so where the target's two
-    best tokens are closer than that, either is its greedy token. A row passes when it equals the
-    reference, or first differs at a position where the two tokens' logits (plain forward over the
-    reference text) are within `rel` of the largest logit's size; the texts part ways there, so
-    nothing after it is compared. Returns one line per failing row (empty: all pass).
-    """
-    import numpy as np
-
-    if not len(prompts) == len(got) == len(want):
-        return [f"rows: {len(got)} generated and {len(want)} references for {len(prompts)} prompts"]
-    bad = []
-    for i, (prompt, g, w) in enumerate(zip(prompts, got, want)):
-        if g == w:
-            continue
-        j = next((k for k in range(min(len(g), len(w))) if g[k] != w[k]), None)
-        if j is None:
-            bad.append(f"row {i}: lengths differ ({len(g)} vs {len(w)}) with equal prefixes")
-            continue
-        logits = next_token_logits(target, [list(prompt) + list(w[:j])])[0, -1]  # [vocab]
-        gap = logits[w[j]] - logits[g[j]]
-        if abs(gap) > rel * max(np.abs(logits).max(), 1e-6):
-            bad.append(f"row {i}: token {j} is {g[j]} instead of {w[j]}, logit gap {gap:.3g} is no bf16 tie")
-    return bad
-
-
 def filtered_probs(logits, sampling):
     """NumPy restatement of `sampling.filter_logits` + softmax: the law `sample` draws from, [..., vocab].
 

@@ -19,6 +19,12 @@ Scores, running maxima and sums are float32; probabilities, rounded to the queri
 values in that dtype with float32 accumulation (a cache held wider, `cache.storage_dtype`, is read
 back exactly). `attend` is the dense reference (one softmax over a full mask), used
 by training and by the tests that check the split against it.
+
+`attend_canonical` is the same attention for a bf16 target on CPU, computed so that a token's
+result does not depend on how the step split its keys (an AR step at p, a tree verified from any
+committed length before p) or on the other queries: each query folds its keys in chunks of absolute
+positions with order-exact sums. With XLA:CPU's row-independent products that makes greedy
+speculative output equal to AR's bit for bit in bf16 (`layers.row_exact`).
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ def empty(q: jax.Array, kv_heads: int) -> Partial:
     return Partial(stats, jnp.zeros_like(stats), jnp.zeros((b, kv_heads, hq // kv_heads, t, d), jnp.float32))
 
 
-def update(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array | None) -> Partial:
+def update(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array | None,
+           exact: bool = False) -> Partial:
     """Fold keys k, v [b, kv_heads, s, d] (the cache's order: each head's slots contiguous) into
     `part`; visible: [b or 1, t or 1, s] bool, or None when every query sees every key (no masking
     work at all).
@@ -86,6 +93,14 @@ def update(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, visible: ja
     # p rounded to the compute dtype (q's) whatever the cache holds (`cache.storage_dtype`: float32
     # for a bf16 model on CPU): a step reads part of its keys from the cache and part fresh, and AR
     # and a tree split them differently, so both parts must round alike for their outputs to agree.
+    if exact:
+        # float32 probabilities and values, the sum of p as one more column of the same product:
+        # XLA:CPU's float32 product accumulates each output along the keys in order, so exact zeros
+        # (masked keys) anywhere, or more queries, leave every query's sums bit for bit as they were
+        # (a reduce over the keys, or a bf16 product, pairs or vectorises its terms by position).
+        v1 = jnp.concatenate([v.astype(jnp.float32), jnp.ones(v.shape[:-1] + (1,), jnp.float32)], axis=-1)
+        pv1 = jnp.einsum("bkgts,bksd->bkgtd", p, v1, preferred_element_type=jnp.float32)  # [..., t, d + 1]
+        return Partial(m, part.l * scale + pv1[..., -1], part.acc * scale[..., None] + pv1[..., :-1])
     pv = jnp.einsum("bkgts,bksd->bkgtd", p.astype(qg.dtype), v.astype(qg.dtype),
                     preferred_element_type=jnp.float32)
     return Partial(m, part.l * scale + p.sum(axis=-1), part.acc * scale[..., None] + pv)
@@ -93,7 +108,7 @@ def update(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, visible: ja
 
 def chunked(part: Partial, qg: jax.Array, read: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]],
             size: int, n_chunks: jax.Array | int, chunk: int,
-            visible: Callable[[jax.Array, jax.Array], jax.Array]) -> Partial:
+            visible: Callable[[jax.Array, jax.Array], jax.Array], exact: bool = False) -> Partial:
     """Fold `size` keys in `n_chunks` trips of `chunk` slots (a traced count stops the loop at the
     live context). read(start, chunk) -> k, v [b, kv_heads, chunk, d] of slots start..; visible(slots
     [chunk], first [1]) -> [b, t or 1, chunk] says which of the chunk's slots each query sees; slots
@@ -105,7 +120,7 @@ def chunked(part: Partial, qg: jax.Array, read: Callable[[jax.Array, int], tuple
         first = i * chunk
         start = jnp.minimum(first, size - chunk)
         k_c, v_c = read(start, chunk)
-        return update(part, qg, k_c, v_c, visible(start + jnp.arange(chunk), first))
+        return update(part, qg, k_c, v_c, visible(start + jnp.arange(chunk), first), exact)
 
     return jax.lax.fori_loop(0, n_chunks, body, part)
 
@@ -143,7 +158,7 @@ def prefix_chunk_default(queries: int) -> int:
 
 
 def prefix(part: Partial, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array,
-           chunk: int | None = None, layer: int | jax.Array | None = None) -> Partial:
+           chunk: int | None = None, layer: int | jax.Array | None = None, exact: bool = False) -> Partial:
     """Fold the committed prefix: cache slots < length[b] of k_cache, v_cache [b, kv_heads, max_len, d],
     or with `layer`, of that layer of stacked caches [layers, b, kv_heads, max_len, d], read chunk by
     chunk straight from the stacked buffer."""
@@ -159,14 +174,14 @@ def prefix(part: Partial, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         _, b, hkv, size, d = k_cache.shape
         if size <= chunk:  # one read covers the cache (a loop over a whole-buffer slice makes XLA copy the cache)
             k_l, v_l = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (k_cache, v_cache))
-            return update(part, qg, k_l, v_l, (jnp.arange(size)[None] < length[:, None])[:, None, :])
+            return update(part, qg, k_l, v_l, (jnp.arange(size)[None] < length[:, None])[:, None, :], exact)
 
         def read(start, n):
             at, shape = (layer, 0, 0, start, 0), (1, b, hkv, n, d)
             return jax.lax.dynamic_slice(k_cache, at, shape)[0], jax.lax.dynamic_slice(v_cache, at, shape)[0]
     step = min(chunk, size)
     n_chunks = (jnp.max(length) + step - 1) // step  # trips up to the batch's last live slot
-    return chunked(part, qg, read, size, n_chunks, step, visible)
+    return chunked(part, qg, read, size, n_chunks, step, visible, exact)
 
 
 def new_keys(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
@@ -181,6 +196,64 @@ def new_keys(part: Partial, qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax
         return cols & (slots >= first)[None, None]
 
     return chunked(part, qg, _slots(k, v), size, -(-size // chunk), chunk, visible)
+
+
+def _row_blocks(cache: jax.Array, layer: int | jax.Array | None, starts: jax.Array, n: int) -> jax.Array:
+    """Slots starts[b] .. starts[b] + n of each row b of a cache [b, kv_heads, S, d] (or of layer
+    `layer` of stacked ones [layers, b, kv_heads, S, d]): [b, kv_heads, n, d]."""
+    if layer is None:
+        cache, layer = cache[None], 0
+    _, b, hkv, _, d = cache.shape
+
+    def one(row, start):
+        return jax.lax.dynamic_slice(cache, (layer, row, 0, start, 0), (1, 1, hkv, n, d))[0, 0]
+
+    return jax.vmap(one)(jnp.arange(b), starts)
+
+
+def attend_canonical(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, k: jax.Array,
+                     v: jax.Array, mask: jax.Array, *, layer: int | jax.Array | None = None,
+                     chunk: int | None = None) -> jax.Array:
+    """`attend_split` computed the same way, bit for bit, for a query at position p whatever else the
+    step holds: an AR step at p, or a node at depth e of a tree verified from committed length
+    L = p - e. Each query folds its keys in chunks of absolute positions [jC, (j + 1)C), in order,
+    with the order-exact `update`; chunks wholly below L come from the cache (a loop shared by the
+    step's queries), the chunk holding L reads the cache's slots [jC, L) beside the step's own keys,
+    and the few ancestors at positions past it fold as the next chunk. The new keys' positions come
+    from the mask: ancestors precede their descendants in a tree's node order, so the r-th key a
+    query sees among the new ones is its ancestor at depth r (position L + r).
+
+    Why: in bfloat16 every rounding of an activation turns a sum taken in another order into a
+    different value, and an AR step and a verify split the same keys differently (cache | new at
+    p vs at L): the logits of one token differed by 0.2-0.9 between them on SmolLM2, so greedy
+    speculative text parted from AR's wherever two logits came that close, and run to run with the
+    tree sizes chosen. With the products' rows already independent of each other on CPU (checked
+    by the tests), this makes a verified token's logits equal to the AR step's, bits included.
+
+    q: [b, t, q_heads, d]; caches as `attend_split`'s (committed slots < length[b]); k, v:
+    [b, t, kv_heads, d] the step's keys (already written at slots length[b] + i); mask [b, t, t]
+    an ancestor mask (self included; a chain's is causal)."""
+    qg = group_queries(q, k.shape[2])
+    b, t = q.shape[:2]
+    if isinstance(mask, Causal):
+        mask = causal_block(b, t)
+    k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [b, kv_heads, t, d]
+    size = k_cache.shape[-2]
+    chunk = min(chunk or prefix_chunk_default(1), size)
+    j0 = length // chunk  # [b] the chunk holding position L
+    part = prefix(empty(q, k.shape[1]), qg, k_cache, v_cache, j0 * chunk, chunk, layer, exact=True)
+    start = jnp.minimum(j0 * chunk, size - chunk)  # (a cache of whole chunks never clamps)
+    blk_k = jnp.concatenate([_row_blocks(k_cache, layer, start, chunk), k.astype(k_cache.dtype)], axis=2)
+    blk_v = jnp.concatenate([_row_blocks(v_cache, layer, start, chunk), v.astype(v_cache.dtype)], axis=2)
+    slots = start[:, None] + jnp.arange(chunk)[None]  # [b, chunk]
+    cached = ((slots >= j0[:, None] * chunk) & (slots < length[:, None]))[:, None, :]  # [b, 1, chunk]
+    pos = length[:, None, None] + jnp.cumsum(mask, axis=-1) - 1  # [b, t, t] position of each visible key
+    nxt = ((j0 + 1) * chunk)[:, None, None]
+    here = jnp.concatenate([jnp.broadcast_to(cached, (b, t, chunk)), mask & (pos < nxt)], axis=-1)  # [b, t, chunk + t]
+    part = update(part, qg, blk_k, blk_v, here, exact=True)
+    if t > 1:  # (a single query sits at L itself: nothing past its chunk)
+        part = update(part, qg, k, v, mask & (pos >= nxt), exact=True)
+    return finish(part, q.dtype)
 
 
 def causal(qg: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tile: int = PREFILL_TILE) -> Partial:
@@ -210,6 +283,11 @@ def causal(qg: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tile: 
     skipped = empty(qg.reshape(b, t, hkv * g, d), hkv)
     skipped = skipped._replace(l=jnp.ones_like(skipped.l))  # finish() gives 0, not 0 / 0, where not attended
     return jax.lax.fori_loop(0, (jnp.max(lengths) + tile - 1) // tile, query_tile, skipped)
+
+
+def causal_block(b: int, t: int) -> jax.Array:
+    """The [b, t, t] mask of t new tokens in order: token i sees tokens <= i."""
+    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
 
 
 def finish(part: Partial, dtype: jnp.dtype) -> jax.Array:
@@ -243,7 +321,7 @@ def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: j
     if isinstance(mask, Causal):
         if length is None and t > prefill_tile and t % prefill_tile == 0:
             return finish(causal(qg, k, v, mask.lengths, prefill_tile), q.dtype)
-        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (q.shape[0], t, t))
+        mask = causal_block(q.shape[0], t)
     slots = k_cache.shape[-2]
     kernel = prefix_kernel_mode(q.shape[-1], slots)
     if length is None:

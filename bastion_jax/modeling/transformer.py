@@ -18,10 +18,11 @@ import numpy as np
 from flax import nnx
 
 from bastion_jax.config import TargetConfig
-from bastion_jax.modeling.attention import Causal, attend_split, prefix_kernel_setting
+from bastion_jax.modeling.attention import (Causal, attend_canonical, attend_split, prefix_kernel_mode,
+                                            prefix_kernel_setting)
 from bastion_jax.modeling.cache import KVCache
 from bastion_jax.modeling.layers import (MLP, Embedding, Linear, RMSNorm, apply_rope, project, rope_cos_sin,
-                                         rope_inv_freq)
+                                         rope_inv_freq, row_exact)
 
 
 class Attention(nnx.Module):
@@ -54,7 +55,11 @@ class Attention(nnx.Module):
         # prefix loop and writing it afterwards makes XLA copy the whole cache.
         cache = cache.write_layer(layer, k, v, jnp.zeros((b,), jnp.int32) if start is None else start, active)
         k_buf, v_buf, index = cache.layer(layer)
-        out = attend_split(q, k_buf, v_buf, start, k, v, mask, layer=index)  # committed slots < start, then the t new
+        if start is not None and row_exact(q.dtype) and prefix_kernel_mode(d, k_buf.shape[-2]) is None:
+            # bf16 on CPU: a token's logits bit for bit the same in an AR step and in any verify step
+            out = attend_canonical(q, k_buf, v_buf, start, k, v, mask, layer=index)
+        else:
+            out = attend_split(q, k_buf, v_buf, start, k, v, mask, layer=index)  # committed slots < start, then the t new
         return self.o_proj(out), cache
 
 
