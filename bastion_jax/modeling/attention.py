@@ -35,6 +35,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from bastion_jax.modeling.cache import causal_mask
+
 NEG_INF = jnp.finfo(jnp.float32).min
 PREFIX_CHUNK = 256  # cache slots per trip of the prefix loop (off CPU; see `prefix_chunk_default`)
 CPU_PREFIX_CHUNK = 128  # the same on CPU, for steps of one query per row (AR)
@@ -236,7 +238,7 @@ def attend_canonical(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
     qg = group_queries(q, k.shape[2])
     b, t = q.shape[:2]
     if isinstance(mask, Causal):
-        mask = causal_block(b, t)
+        mask = causal_mask(b, t)
     k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [b, kv_heads, t, d]
     size = k_cache.shape[-2]
     chunk = min(chunk or prefix_chunk_default(1), size)
@@ -285,11 +287,6 @@ def causal(qg: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tile: 
     return jax.lax.fori_loop(0, (jnp.max(lengths) + tile - 1) // tile, query_tile, skipped)
 
 
-def causal_block(b: int, t: int) -> jax.Array:
-    """The [b, t, t] mask of t new tokens in order: token i sees tokens <= i."""
-    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-
-
 def finish(part: Partial, dtype: jnp.dtype) -> jax.Array:
     """Normalise: [b, kv_heads, groups, t, d] -> [b, t, q_heads * d]. Every query has seen a key."""
     b, hkv, g, t, d = part.acc.shape
@@ -321,7 +318,7 @@ def attend_split(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: j
     if isinstance(mask, Causal):
         if length is None and t > prefill_tile and t % prefill_tile == 0:
             return finish(causal(qg, k, v, mask.lengths, prefill_tile), q.dtype)
-        mask = causal_block(q.shape[0], t)
+        mask = causal_mask(q.shape[0], t)
     slots = k_cache.shape[-2]
     kernel = prefix_kernel_mode(q.shape[-1], slots)
     if length is None:
