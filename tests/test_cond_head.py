@@ -458,3 +458,15 @@ def test_the_marginal_weight_adds_the_drafters_own_loss(pair, tmp_path):
     for d, c in ((drafter, cfg), (headed, dataclasses.replace(cfg, freeze_drafter=True))):
         with pytest.raises(ValueError, match="--marginal weighs the drafter's own law"):
             Trainer(target, d, c, tmp_path / "c")
+
+
+def test_take_rows_is_take_bit_for_bit():
+    """bf16 rows gathered as their bit patterns (`take_rows`, the head's parent embeddings) are the rows."""
+    from bastion_jax.modeling.cond_head import take_rows
+
+    table = jax.random.normal(jax.random.PRNGKey(0), (50, 8), jnp.bfloat16)
+    idx = jnp.asarray([[3, 0, 49], [7, 7, 1]])
+    for t in (table, table.astype(jnp.float32)):
+        got = jax.jit(take_rows)(t, idx)
+        assert got.dtype == t.dtype and got.shape == (2, 3, 8)
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(t[idx].astype(jnp.float32)))
