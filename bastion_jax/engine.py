@@ -129,8 +129,8 @@ class Engine:
                 draft_vocab = None
         if draft_vocab is not None and (drafter is None or proposal is not None):
             raise GenerationError("a draft vocabulary restricts a drafter's LM head: it needs a drafter and no proposal")
-        if isinstance(draft_vocab, DraftVocab) and draft_vocab.cond_table is None:
-            draft_vocab = draft_vocab.with_head(drafter)  # a conditioned head's table, made once here
+        if isinstance(draft_vocab, DraftVocab) and draft_vocab.cond_tables is None:
+            draft_vocab = draft_vocab.with_head(target, drafter)  # a conditioned head's tables, made once here
         self.draft_vocab = draft_vocab
         has_head = drafter is not None and drafter.config.cond_head_rank > 0
         if cond_depths is None:

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from bastion_jax import decoding, speculative, tree_decoding
-from bastion_jax.modeling.cond_head import head_table
+from bastion_jax.modeling.cond_head import head_tables
 from bastion_jax.checkpoints import LoadedDrafter, Target
 from bastion_jax.datastore import Datastore
 from bastion_jax.lookup import LookupConfig
@@ -211,7 +211,7 @@ class Executables:
         self._table: dict[tuple, Any] = {}
         self._step_args: dict[tuple, tuple] = {}  # abstract tree-step arguments per shape
         self._config: StepConfig | None = None  # made once (`config`)
-        self._full_table = None  # a conditioned head's full-vocabulary table (`_chain_table`), once asked for
+        self._full_tables = None  # a conditioned head's full-vocabulary tables (`_chain_tables`), once asked for
         self.compilations = 0  # compilations done so far (a cached shape adds none)
 
     # -- buffers ---------------------------------------------------------------------------------
@@ -312,8 +312,8 @@ class Executables:
     def chain(self, batch: int, bucket: int, cache_len: int):
         """(prefill, step) of chain speculative decoding (mode dflash) at these shapes."""
         cfg = self.config()
-        table = self._chain_table()
-        extra = (None, table) if table is not None else ()  # (draft vocabulary, the head's full-vocabulary table)
+        tables = self._chain_tables()
+        extra = (None, tables) if tables is not None else ()  # (draft vocabulary, the head's full-vocabulary tables)
         args = self._prefill_args(cfg, batch, bucket, cache_len)[:-2] + extra  # (the chain drafts over every token)
         prefill = self.compiled(speculative.spec_prefill, ("spec_prefill", cfg, batch, bucket, cache_len), args)
         state = jax.eval_shape(lambda *a: speculative.spec_prefill(cfg, *a), *args[1:])
@@ -322,16 +322,17 @@ class Executables:
                              + extra)
         return (Bound(prefill, *extra), Bound(step, *extra)) if extra else (prefill, step)
 
-    def _chain_table(self):
-        """A conditioned head's table over the full vocabulary (`cond_head.head_table`), made once: the
-        chain drafts over every token, so no draft vocabulary carries one (None without a head)."""
+    def _chain_tables(self):
+        """A conditioned head's tables over the full vocabulary (`cond_head.HeadTables`), made once:
+        the chain drafts over every token, so no draft vocabulary carries them (None without a head)."""
         if self.drafter is None or not self.drafter.config.cond_head_rank or self.proposal is not None:
             return None
-        if self._full_table is None:
+        if self._full_tables is None:
             target = nnx.merge(self.target.graphdef, self.target.state)
             head = nnx.merge(self.drafter.graphdef, self.drafter.state).cond_head
-            self._full_table = head_table(head, target.logits)  # [vocab, rank], once (eagerly: one product)
-        return self._full_table
+            # [vocab, rank] each, once (eagerly: one product each)
+            self._full_tables = head_tables(head, target.logits, target.embed_tokens.weight[...])
+        return self._full_tables
 
     def _tree_step_args(self, cfg: StepConfig, batch: int, cache_len: int) -> tuple:
         """Abstract arguments of a tree/root step; traced once per shape (tracing a prefill costs ~30 ms

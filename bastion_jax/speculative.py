@@ -23,7 +23,7 @@ from flax import nnx, struct
 
 from bastion_jax.decoding import prefill_target
 from bastion_jax.modeling.cache import KVCache, causal_mask
-from bastion_jax.modeling.cond_head import head_law, head_table, spine_logits
+from bastion_jax.modeling.cond_head import HeadTables, head_law, head_tables, spine_logits
 from bastion_jax.modeling.layers import project
 from bastion_jax.sampling import Sampler, argmax, sample
 from bastion_jax.step_config import Proposal, StepConfig
@@ -75,7 +75,7 @@ def resolve_draft_vocab(target, drafter, spec: str | int | None) -> "DraftVocab 
         ranking = np.load(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"unreadable token ranking {path}: {e}") from None
-    return DraftVocab.from_ranking(target, ranking, min(n, target.config.vocab_size)).with_head(drafter)
+    return DraftVocab.from_ranking(target, ranking, min(n, target.config.vocab_size)).with_head(target, drafter)
 
 
 @struct.dataclass
@@ -86,9 +86,9 @@ class DraftVocab:
 
     ids: jax.Array  # [N] int32 target token ids, most frequent first
     weight: jax.Array  # [N, hidden] the target LM head's rows for `ids`
-    # [N, rank] those rows times a conditioned head's fc2 (`cond_head.head_table`), made once with the
-    # vocabulary (`with_head`) so that drafting does not redo it every step; None: made in the step.
-    cond_table: jax.Array | None = None
+    # a conditioned head's tables over these rows (`cond_head.HeadTables`), made once with the
+    # vocabulary (`with_head`) so that drafting does not redo them every step; None: made in the step.
+    cond_tables: HeadTables | None = None
 
     @classmethod
     def from_ranking(cls, target, ranking, n: int) -> "DraftVocab":
@@ -103,13 +103,15 @@ class DraftVocab:
         head = target.state["lm_head"] if "lm_head" in target.state else target.state["embed_tokens"]
         return cls(jnp.asarray(ids, jnp.int32), jnp.take(head["weight"][...], jnp.asarray(ids), axis=0))
 
-    def with_head(self, drafter) -> "DraftVocab":
-        """This vocabulary with `drafter`'s conditioned-head table (itself when the drafter has no head)."""
+    def with_head(self, target, drafter) -> "DraftVocab":
+        """This vocabulary with `drafter`'s conditioned-head tables for `target` (itself when the
+        drafter has no head)."""
         if drafter is None or not drafter.config.cond_head_rank:  # (no merge of a headless drafter)
             return self
         head = nnx.merge(drafter.graphdef, drafter.state).cond_head
-        table = head_table(head, lambda x: project("...h,nh->...n", x, self.weight, jnp.float32))
-        return self.replace(cond_table=table)
+        tables = head_tables(head, lambda x: project("...h,nh->...n", x, self.weight, jnp.float32),
+                             target.state["embed_tokens"]["weight"][...])
+        return self.replace(cond_tables=tables)
 
     def to_target(self, draft_tokens: jax.Array) -> jax.Array:
         """Target ids of indices into this vocabulary; negative entries (padding) stay as they are."""
@@ -134,7 +136,7 @@ def head_logits(target, hidden: jax.Array, draft_vocab: Optional[DraftVocab] = N
 def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, ctx_start: jax.Array | None,
                  ctx_len: jax.Array, root: jax.Array, *, block_size: int, mask_token_id: int,
                  proposal: Optional[Proposal], draft_vocab: Optional[DraftVocab] = None,
-                 active: jax.Array | None = None, with_law: bool = False, cond_table: jax.Array | None = None,
+                 active: jax.Array | None = None, with_law: bool = False, cond_tables: HeadTables | None = None,
                  cond_candidates: int = 0):
     """Inject `features` [b, C, F] (first ctx_len real) at ctx_start, then draft the block after `root`.
     `ctx_start` None: the drafter cache is empty (a prefill), the features go to slot 0.
@@ -142,9 +144,9 @@ def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, c
     Returns the per-position logits [b, B-1, vocab] (slot k predicts position s + k, s = root's
     position; over `draft_vocab`'s N tokens when given) and the drafter cache holding context for
     positions [0, s); with `with_law`, also the conditioned head's `HeadLaw` (None without a head),
-    from which a tree takes each parent's own law. `cond_table`: the head's table over the full
-    vocabulary (`head_table`), made once by the caller, where there is no `draft_vocab` to carry it
-    (else it is made here, every call: on CPU a [rank, vocab] product as large as the LM head's).
+    from which a tree takes each parent's own law. `cond_tables`: the head's tables over the full
+    vocabulary (`head_tables`), made once by the caller, where there is no `draft_vocab` to carry them
+    (else they are made here, every call: on CPU products as large as the LM head's).
     `cond_candidates` M > 0: the head corrects each slot's M best head-free columns only
     (`cond_head.HeadLaw`; `StepConfig.cond_candidates`).
     """
@@ -154,7 +156,7 @@ def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, c
     if drafter is not None:
         hidden, drafter_cache = _drafter_call(*nnx.split(drafter), target.embed_tokens(block), features, ctx_start,
                                               ctx_len, drafter_cache, active)
-        logits, law = block_laws(target, drafter.cond_head, hidden[:, 1:], root, draft_vocab, cond_table,
+        logits, law = block_laws(target, drafter.cond_head, hidden[:, 1:], root, draft_vocab, cond_tables,
                                  cond_candidates)
     else:
         logits = jnp.zeros((b, block_size - 1, target.config.vocab_size), jnp.float32)
@@ -165,19 +167,20 @@ def draft_logits(target, drafter, drafter_cache: KVCache, features: jax.Array, c
 
 
 def block_laws(target, cond_head, hidden: jax.Array, root: jax.Array, draft_vocab: Optional[DraftVocab] = None,
-               cond_table: jax.Array | None = None, cond_candidates: int = 0):
+               cond_tables: HeadTables | None = None, cond_candidates: int = 0):
     """A drafted block's logits from its slots' hidden states [b, D, h] (slots 1..D; `root` [b] the
     token before them): the head-free logits [b, D, vocab or N] and None without a conditioned head,
     else the spine's conditioned logits (each slot given the drafted token before it) and the head's
     `HeadLaw`, from which a tree takes each parent's own law. What decoding drafts from
-    (`draft_logits`), and what `benchmarks.gate_headroom` replays. `cond_table`: as in `draft_logits`."""
+    (`draft_logits`), and what `benchmarks.gate_headroom` replays. `cond_tables`: as in `draft_logits`."""
     logits = head_logits(target, hidden, draft_vocab)  # [b, D, vocab or N]
     if cond_head is None:
         return logits, None
-    table = draft_vocab.cond_table if draft_vocab is not None else cond_table
-    if table is None:
-        table = head_table(cond_head, partial(head_logits, target, draft_vocab=draft_vocab))
-    law = head_law(cond_head, hidden, logits, target.embed_tokens.weight[...], table, cond_candidates)
+    tables = draft_vocab.cond_tables if draft_vocab is not None else cond_tables
+    if tables is None:
+        tables = head_tables(cond_head, partial(head_logits, target, draft_vocab=draft_vocab),
+                             target.embed_tokens.weight[...])
+    law = head_law(cond_head, hidden, logits, tables, cond_candidates)
     return spine_logits(law, root, draft_vocab.ids if draft_vocab is not None else None), law
 
 
@@ -208,15 +211,15 @@ def merge_models(cfg: StepConfig, target_state, drafter_state):
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("target_cache", "drafter_cache"))
 def spec_prefill(cfg: StepConfig, target_state, drafter_state, target_cache: KVCache, drafter_cache: KVCache,
                  tokens: jax.Array, lengths: jax.Array, key: Sampler,
-                 draft_vocab: Optional[DraftVocab] = None, cond_table: jax.Array | None = None) -> SpecState:
+                 draft_vocab: Optional[DraftVocab] = None, cond_tables: HeadTables | None = None) -> SpecState:
     """Target prefill (tokens [b, bucket] right-padded, lengths [b]) + the drafter's first block
-    (`cond_table`: a conditioned head's table over the full vocabulary, see `draft_logits`)."""
+    (`cond_tables`: a conditioned head's tables over the full vocabulary, see `draft_logits`)."""
     target, drafter = merge_models(cfg, target_state, drafter_state)
     root, target_cache, features = prefill_target(target, target_cache, tokens, lengths, key,
                                                   cfg.tap_layers)
     drafts, drafter_cache = draft_block(target, drafter, drafter_cache, features, None, lengths,
                                         root, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                                        proposal=cfg.proposal, draft_vocab=draft_vocab, cond_table=cond_table,
+                                        proposal=cfg.proposal, draft_vocab=draft_vocab, cond_tables=cond_tables,
                                         cond_candidates=cfg.cond_candidates)
     return SpecState(target_cache, drafter_cache, root, drafts, lengths + 0)  # fresh buffer: donatable
 
@@ -229,7 +232,7 @@ def accept_chain(drafts: jax.Array, choices: jax.Array) -> jax.Array:
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
 def spec_step(cfg: StepConfig, target_state, drafter_state, state: SpecState, active: jax.Array, key: Sampler,
-              draft_vocab: Optional[DraftVocab] = None, cond_table: jax.Array | None = None
+              draft_vocab: Optional[DraftVocab] = None, cond_tables: HeadTables | None = None
               ) -> tuple[SpecState, StepOutput]:
     """Verify the current block, accept, emit, inject features and draft the next block."""
     target, drafter = merge_models(cfg, target_state, drafter_state)
@@ -253,6 +256,6 @@ def spec_step(cfg: StepConfig, target_state, drafter_state, state: SpecState, ac
     drafts, drafter_cache = draft_block(target, drafter, state.drafter_cache, features, length, n_ctx, bonus,
                                         block_size=block_size, mask_token_id=cfg.mask_token_id,
                                         proposal=cfg.proposal, draft_vocab=draft_vocab, active=active,
-                                        cond_table=cond_table, cond_candidates=cfg.cond_candidates)
+                                        cond_tables=cond_tables, cond_candidates=cfg.cond_candidates)
     new_state = SpecState(out.cache, drafter_cache, bonus, drafts, new_length)
     return new_state, StepOutput(emitted, accepted + 1)

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     from flax import nnx
 
-    from bastion_jax.modeling.cond_head import CondHead, head_law
+    from bastion_jax.modeling.cond_head import CondHead, HeadTables, embed_table, head_law
     from bastion_jax.tree_decoding import draft_trees
 
     h, N, D, V, r = 576, 8192, 15, 49152, 64  # hidden, draft vocabulary, block slots, vocabulary, head rank
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     hid = jax.random.normal(jax.random.key(2), (1, D, h))  # [b, D, h] drafter hidden states
     base = jax.random.normal(jax.random.key(3), (1, D, N)) * 3  # [b, D, N] head-free logits
     table = jax.random.normal(jax.random.key(1), (N, r)) * 0.01  # [N, rank]
-    law = head_law(head, hid, base, E, table)
+    law = head_law(head, hid, base, HeadTables(table, embed_table(head, E)))
     root = jnp.array([5])
     for buckets in ((1, 4, 8, 16), (1, 4, 8, 16, 32, 64)):
         for cd in (0, 2, 3, 4, 5):

@@ -14,7 +14,8 @@ from bastion_jax.checkpoints import CheckpointError, LoadedDrafter, convert, loa
 from bastion_jax.checkpoints.dflash import export_zlab
 from bastion_jax.engine import Engine
 from bastion_jax.modeling.cache import KVCache
-from bastion_jax.modeling.cond_head import child_log_probs, head_law, head_table, root_state, spine_logits
+from bastion_jax.modeling.cond_head import (child_log_probs, embed_table, head_law, head_tables, root_state,
+                                             spine_logits)
 from bastion_jax.speculative import DraftVocab, draft_logits, head_logits
 from bastion_jax.testing import tiny_drafter_config
 
@@ -79,7 +80,7 @@ def test_spine_logits_match_brute_force(pair, reduced, recurrent):
     vocab = DraftVocab.from_ranking(loaded, np.random.default_rng(0).permutation(target.config.vocab_size), 40) \
         if reduced else None
     lm = (lambda x: head_logits(target, x, vocab))
-    law = head_law(head, hidden, lm(hidden), target.embed_tokens.weight[...], head_table(head, lm))
+    law = head_law(head, hidden, lm(hidden), head_tables(head, lm, target.embed_tokens.weight[...]))
     got = spine_logits(law, root, vocab.ids if reduced else None)
     emb = np.asarray(loaded.state["embed_tokens"]["weight"][...])
     for r in range(b):
@@ -129,8 +130,8 @@ def test_candidate_laws_match_brute_force(pair, recurrent, reduced, m):
     lm = (lambda x: head_logits(target, x, vocab))
     base = lm(hidden)
     embed = target.embed_tokens.weight[...]
-    law = head_law(head, hidden, base, embed, head_table(head, lm), candidates=m)
-    assert head_law(head, hidden, base, embed, head_table(head, lm), candidates=base.shape[-1]).cols is None
+    law = head_law(head, hidden, base, head_tables(head, lm, embed), candidates=m)
+    assert head_law(head, hidden, base, head_tables(head, lm, embed), candidates=base.shape[-1]).cols is None
     got = np.asarray(spine_logits(law, root, vocab.ids if reduced else None))
     emb = np.asarray(loaded.state["embed_tokens"]["weight"][...])
     base_np = np.asarray(base)
@@ -187,10 +188,11 @@ def test_decoding_with_a_head_equals_ar(pair, dtype, tmp_path):
                         cond_depths=cond_depths, cond_candidates=candidates)
         assert engine.executables.config().cond_candidates == candidates
         if vocab is not None:
-            assert engine.draft_vocab.cond_table is not None  # made once, not in every step
-        # the chain drafts over every token: its table is made once too, and bound to its steps
+            assert engine.draft_vocab.cond_tables is not None  # made once, not in every step
+        # the chain drafts over every token: its tables are made once too, and bound to its steps
         prefill, step = engine.executables.chain(2, 8, 64)
-        assert step.bound[1].shape == (target.config.vocab_size, 8) and step.bound[1] is prefill.bound[1]
+        assert step.bound[1].logits.shape == step.bound[1].embed.shape == (target.config.vocab_size, 8)
+        assert step.bound[1] is prefill.bound[1]
         ar = engine.generate(prompts, max_new_tokens=24, mode="ar").tokens
         modes = ("dflash", "fixed:4", "bastion") if cond_depths == 0 else ("fixed:8", "bastion")
         modes += ("dflash",) if candidates else ()  # the chain's spine over the full vocabulary's candidates
@@ -352,8 +354,8 @@ def test_a_steps_tree_takes_each_parents_own_law(pair, recurrent):
     depth = BLOCK - 1
     hidden = jax.random.normal(jax.random.key(2), (2, depth, loaded.config.hidden_size))
     lm = (lambda x: head_logits(target, x))
-    law = head_law(head, hidden, lm(hidden), target.embed_tokens.weight[...], head_table(head, lm))
-    law = law._replace(w_embed=law.w_embed * 300.0)  # (the tiny target's embeddings are small: make parents matter)
+    law = head_law(head, hidden, lm(hidden), head_tables(head, lm, target.embed_tokens.weight[...]))
+    law = law._replace(embed=law.embed * 300.0)  # (the tiny target's embeddings are small: make parents matter)
     root = jnp.array([3, 50])
     logits = spine_logits(law, root, None)
     n, top_k = 9, 2
@@ -460,13 +462,33 @@ def test_the_marginal_weight_adds_the_drafters_own_loss(pair, tmp_path):
             Trainer(target, d, c, tmp_path / "c")
 
 
-def test_take_rows_is_take_bit_for_bit():
-    """bf16 rows gathered as their bit patterns (`take_rows`, the head's parent embeddings) are the rows."""
-    from bastion_jax.modeling.cond_head import take_rows
+def test_embed_table_is_each_tokens_product(pair):
+    """`embed_table`'s row x is fc1's embedding columns times token x's embedding, what the head's
+    state adds for a previous token x (the table replaces that product in the step)."""
+    target, drafter = pair
+    grown = with_head(drafter, 6, seed=2)
+    head = nnx.merge(grown.graphdef, grown.state).cond_head
+    embed = target.state["embed_tokens"]["weight"][...]
+    got = np.asarray(embed_table(head, embed))
+    w_e = np.asarray(head.split_fc1()[1], np.float64)  # [rank, h]
+    assert got.dtype == np.float32 and got.shape == (embed.shape[0], 6)
+    np.testing.assert_allclose(got, np.asarray(embed, np.float64) @ w_e.T, rtol=1e-5, atol=1e-6)
 
-    table = jax.random.normal(jax.random.PRNGKey(0), (50, 8), jnp.bfloat16)
-    idx = jnp.asarray([[3, 0, 49], [7, 7, 1]])
-    for t in (table, table.astype(jnp.float32)):
-        got = jax.jit(take_rows)(t, idx)
-        assert got.dtype == t.dtype and got.shape == (2, 3, 8)
-        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(t[idx].astype(jnp.float32)))
+
+def test_bf16_tree_step_gathers_the_embedding_in_place(pair):
+    """A bf16 tree step with per-parent depths carries no [V, h] table through its loops: gathering
+    the parents' bf16 embeddings inside the depth loop made XLA:CPU hoist a converted (later a
+    16-bit) copy of the whole table out of the loop and carry it, every step (~19 ms of a SmolLM2
+    bf16 tree step). The head now gathers rows of its float32 `embed_table`."""
+    from bastion_jax.checkpoints import load_target
+
+    target, drafter = pair
+    target = load_target(target.path, jnp.bfloat16)
+    grown = with_head(drafter, 8, seed=5, recurrent=True)
+    d = LoadedDrafter(grown.config, grown.graphdef, jax.tree.map(lambda a: a.astype(jnp.bfloat16), grown.state))
+    engine = Engine(target, drafter=d, stop_ids=[-1], buckets=(1, 8), top_k=4, cond_depths=3, cond_candidates=0)
+    _, steps = engine.executables.tree(1, 8, 64, [8])
+    hlo = steps[8].exe.result().as_text()
+    whole = f"[{target.config.vocab_size},{target.config.hidden_size}]"
+    loops = [line.split(" while(")[0] for line in hlo.splitlines() if " while(" in line]
+    assert loops and not [carried for carried in loops if whole in carried]

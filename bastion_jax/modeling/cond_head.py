@@ -82,6 +82,34 @@ def head_table(head: CondHead, lm_head: Callable[[jax.Array], jax.Array]) -> jax
     return lm_head(head.fc2.weight[...].T.astype(jnp.float32)).T  # [rank, N] -> [N, rank]
 
 
+def embed_table(head: CondHead, embed: jax.Array) -> jax.Array:
+    """W1e e(x) [V, rank] float32 for every token x of the embedding table `embed` [V, h]: fc1's
+    embedding columns applied once, so that a slot's state gathers its previous token's row.
+
+    Why a table and not the embedding's rows times W1e in the step: inside the tree's depth loop a
+    gather from a bf16 table made XLA:CPU materialise the whole [V, h] table every step (converted
+    to float32 at first, then as a 16-bit copy: ~19 ms of a SmolLM2 bf16 tree step; a float32 table
+    is gathered in place). The table is float32 whatever the model's dtype; a slot's row is rounded
+    to the drafter's dtype where it is used, as the product's own result was."""
+    _, w_e = head.split_fc1()
+    return project("vh,rh->vr", embed, w_e, jnp.float32)  # [V, rank]
+
+
+class HeadTables(NamedTuple):
+    """A conditioned head's products with weights that do not change between steps, made once per
+    engine and passed to every drafting step (`head_tables`): remaking them in a step costs a
+    product as large as the LM head's."""
+
+    logits: jax.Array  # [N, rank] float32 H W2 over the N columns a path drafts (`head_table`)
+    embed: jax.Array  # [V, rank] float32 W1e e(x) for every target token x (`embed_table`)
+
+
+def head_tables(head: CondHead, lm_head: Callable[[jax.Array], jax.Array], embed: jax.Array) -> HeadTables:
+    """`HeadTables` of `head` for the LM head `lm_head` (hidden [..., h] -> logits [..., N]) and the
+    target's embedding table `embed` [V, h]."""
+    return HeadTables(head_table(head, lm_head), embed_table(head, embed))
+
+
 class HeadLaw(NamedTuple):
     """What a block's conditioned laws need, computed once per drafting call: slot k's law given a
     previous token x is log_softmax(base[k] + table silu(a[k] + W1e e(x))). Batched over rows in `a`
@@ -101,8 +129,7 @@ class HeadLaw(NamedTuple):
 
     a: jax.Array  # [b, D, rank] fc1's hidden columns times each slot's hidden state, + bias
     base: jax.Array  # [b, D, N] float32 logits without the head (H h)
-    w_embed: jax.Array  # [rank, h] fc1's embedding columns
-    embed: jax.Array  # [V, h] the target's embedding table
+    embed: jax.Array  # [V, rank] float32 (`embed_table`)
     table: jax.Array  # [N, rank] (`head_table`)
     w_rec: jax.Array | None = None  # [rank, rank] `rec` (a recurrent head), else None
     cols: jax.Array | None = None  # [b, D, M] int32 each slot's candidate columns (None: every column)
@@ -114,19 +141,20 @@ class HeadLaw(NamedTuple):
 
 
 # The axes a vmap over rows maps: `a`, `base` and the candidate fields per row, the rest shared.
-LAW_ROW_AXES = HeadLaw(0, 0, None, None, None, None, 0, 0, 0, 0, 0, 0)
+LAW_ROW_AXES = HeadLaw(0, 0, None, None, None, 0, 0, 0, 0, 0, 0)
 
 
-def head_law(head: CondHead, hidden: jax.Array, base: jax.Array, embed: jax.Array, table: jax.Array,
+def head_law(head: CondHead, hidden: jax.Array, base: jax.Array, tables: HeadTables,
              candidates: int = 0) -> HeadLaw:
     """hidden: [b, D, h] slots 1..D's hidden states; base: [b, D, N] their logits without the head;
-    embed: [V, h] the target's embedding table; table: [N, rank]; `candidates` M > 0 (and < N): the
-    head corrects each slot's M best head-free columns only (see `HeadLaw`)."""
-    w_h, w_e = head.split_fc1()
+    tables: the head's `HeadTables` (over the same N columns); `candidates` M > 0 (and < N): the head
+    corrects each slot's M best head-free columns only (see `HeadLaw`)."""
+    w_h, _ = head.split_fc1()
+    table = tables.logits
     a = project("...h,rh->...r", hidden, w_h) + head.fc1.bias[...]  # [b, D, rank]: every slot at once
     w_rec = head.rec.weight[...] if head.rec is not None else None
     base = base.astype(jnp.float32)
-    law = HeadLaw(a, base, w_e, embed, table, w_rec)
+    law = HeadLaw(a, base, tables.embed, table, w_rec)
     if not 0 < candidates < base.shape[-1]:
         return law
     # The barrier keeps XLA:CPU from turning top-k into a full sort (as in `tree.build_tree`).
@@ -142,21 +170,10 @@ def head_state(law: HeadLaw, slot: jax.Array, prev: jax.Array, state: jax.Array)
     """u [..., rank] of slot `slot` (0-based: slot 1 is 0) given previous target ids `prev` [...] and
     the previous slot's states [..., rank] (zeros for slot 1; unread without `rec`), for one row's law
     (`a` [D, rank])."""
-    pre = law.a[slot] + project("...h,rh->...r", take_rows(law.embed, prev), law.w_embed)
+    pre = law.a[slot] + jnp.take(law.embed, prev, axis=0).astype(law.a.dtype)  # [..., rank]
     if law.w_rec is not None:
         pre = pre + project("...r,sr->...s", state.astype(pre.dtype), law.w_rec)
     return jax.nn.silu(pre)
-
-
-def take_rows(table: jax.Array, idx: jax.Array) -> jax.Array:
-    """table[idx] (rows of the embedding table [V, h], idx [...] -> [..., h]), a bf16 table gathered
-    as its 16-bit patterns: XLA:CPU computes a bf16 gather in float32, and inside the tree's depth
-    loop it then hoisted converting the whole [V, h] table out of the loop, every step (~20 of a
-    bf16 draft's ~29 ms on SmolLM2)."""
-    if table.dtype != jnp.bfloat16:
-        return jnp.take(table, idx, axis=0)
-    bits = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), idx, axis=0)
-    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
 def candidate_logits(law: HeadLaw, slot: jax.Array, prev: jax.Array, state: jax.Array
