@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from bastion_jax import decoding, speculative, tree_decoding
-from bastion_jax.modeling.cond_head import head_tables
+from bastion_jax.modeling.cond_head import HeadTables, embed_table, head_table
 from bastion_jax.checkpoints import LoadedDrafter, Target
 from bastion_jax.datastore import Datastore
 from bastion_jax.lookup import LookupConfig
@@ -330,8 +330,10 @@ class Executables:
         if self._full_tables is None:
             target = nnx.merge(self.target.graphdef, self.target.state)
             head = nnx.merge(self.drafter.graphdef, self.drafter.state).cond_head
-            # [vocab, rank] each, once (eagerly: one product each)
-            self._full_tables = head_tables(head, target.logits, target.embed_tokens.weight[...])
+            shared = self.draft_vocab.cond_tables if self.draft_vocab is not None else None
+            embed = shared.embed if shared is not None else embed_table(head, target.embed_tokens.weight[...])
+            # [vocab, rank] each, once (eagerly: one product each; the embedding's shared with the trees')
+            self._full_tables = HeadTables(head_table(head, target.logits), embed)
         return self._full_tables
 
     def _tree_step_args(self, cfg: StepConfig, batch: int, cache_len: int) -> tuple:

@@ -193,6 +193,8 @@ def test_decoding_with_a_head_equals_ar(pair, dtype, tmp_path):
         prefill, step = engine.executables.chain(2, 8, 64)
         assert step.bound[1].logits.shape == step.bound[1].embed.shape == (target.config.vocab_size, 8)
         assert step.bound[1] is prefill.bound[1]
+        if vocab is not None:  # one embedding table for the chain's and the trees' steps
+            assert step.bound[1].embed is engine.draft_vocab.cond_tables.embed
         ar = engine.generate(prompts, max_new_tokens=24, mode="ar").tokens
         modes = ("dflash", "fixed:4", "bastion") if cond_depths == 0 else ("fixed:8", "bastion")
         modes += ("dflash",) if candidates else ()  # the chain's spine over the full vocabulary's candidates
