@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template; use the raw prompt")
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="compute dtype (auto: the checkpoint's own dtype; quantised GGUF tensors are "
-                        "dequantised to float32). The drafter computes in the target's dtype")
+                   help="compute dtype (auto: the checkpoint's own dtype, except the embedded default pair on a CPU "
+                        "with bf16 units, AVX512-BF16 or AMX: bfloat16; quantised GGUF tensors are dequantised to "
+                        "float32). The drafter computes in the target's dtype")
     p.add_argument("--max-len", type=int, help="KV cache length in tokens (default: prompt + max new tokens + the "
                    "tree's slack, rounded up to a size class: 256, 384, 512, 768, ...); too small for them is an "
                    "error, never a shorter answer")
@@ -86,7 +87,8 @@ def load_models(args, log):
         raise ValueError("--recalibrate profiles and --no-calibrate does not: give one of them")
     t0 = time.perf_counter()
     path = args.target or default_target_dir(verbose=not args.quiet)
-    target = load_target(path, resolve_dtype(args.dtype))
+    dtype = resolve_dtype(args.dtype, default_pair=args.target is None)
+    target = load_target(path, dtype)
     import jax
 
     layout = ""  # on CPU the layout this machine multiplies fastest (checkpoints.layout_probe: measured once)
@@ -94,7 +96,7 @@ def load_models(args, log):
         layout = {"in-out": ", layer weights [in, out]", "out-in": ", layer weights [out, in]",
                   "feature-major": ", layer weights [out, in], feature-major products"}[target.config.weights_layout]
     log(f"loaded {path} ({target.config.model_type}, {target.config.param_count() / 1e6:.0f}M params, "
-        f"{target.dtype.name}: {dtype_note(args.dtype)}{layout}) in {time.perf_counter() - t0:.1f}s")
+        f"{target.dtype.name}: {dtype_note(args.dtype, dtype)}{layout}) in {time.perf_counter() - t0:.1f}s")
     drafter_arg = args.drafter
     if drafter_arg is None and args.target is None:
         from bastion_jax.default_model import default_drafter_dir

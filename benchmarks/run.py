@@ -93,7 +93,8 @@ def build_parser() -> Parser:
     p.add_argument("--tree-top-k", type=int, default=128, help="tree width: drafter candidates per position "
                    "(default 128)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: the checkpoint's own dtype")
+                   help="auto: the checkpoint's own dtype (the default pair on a CPU with bf16 units: "
+                   "bfloat16, as `generate`)")
     add_sampling_flags(p, temperature_help=", and the modes' answers are not compared with AR's",
                        seed_help="RNG seed of the first request's runs (request i: seed + i; a mode's repeats "
                        "draw the same samples)")
@@ -173,7 +174,7 @@ def measure(args, prompts: list[tuple[str, str]], buckets: tuple[int, ...], mode
     from bastion_jax.text import encode_prompt, load_tokenizer
 
     target_path = args.target or default_target_dir()
-    target = load_target(target_path, resolve_dtype(args.dtype))
+    target = load_target(target_path, resolve_dtype(args.dtype, default_pair=args.target is None))
     tok = load_tokenizer(target)
     if args.drafter == "random":
         block = DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size
