@@ -94,17 +94,6 @@ def fail(e: BaseException) -> int:
     return 2
 
 
-def cpu_has_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU multiplies bf16 in hardware: AVX512-BF16 or AMX-BF16 among the kernel's CPU
-    flags (False where `cpuinfo` is missing or unreadable, e.g. off Linux)."""
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except (OSError, IndexError):
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags))
-
-
 def resolve_dtype(name: str, *, default_pair: bool = False):
     """A --dtype value: "auto" is None (the loaders then keep the checkpoint's own dtype), except for
     the embedded default pair (`default_pair`) on a CPU with bf16 units: bfloat16. Why: there its
@@ -114,6 +103,8 @@ def resolve_dtype(name: str, *, default_pair: bool = False):
     its own dtype."""
     import jax
     import jax.numpy as jnp
+
+    from bastion_jax.hardware import cpu_has_bf16_units
 
     if name != "auto":
         return jnp.dtype(name)

@@ -27,6 +27,12 @@ def cpu_identity() -> list[str]:
             str(os.cpu_count())]
 
 
+def cpu_has_bf16_units() -> bool:
+    """Whether this CPU multiplies bf16 in hardware: AVX512-BF16 or AMX-BF16 among its flags (False
+    where there is no /proc/cpuinfo, e.g. off Linux)."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(_cpuinfo().get("flags", "").split()))
+
+
 def device_kind() -> str:
     """The first JAX device's own name ("NVIDIA H100 80GB HBM3"); on CPU the CPU's identity, since JAX
     calls every CPU "cpu" and a calibration made on one CPU misprices steps on another."""

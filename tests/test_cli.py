@@ -226,22 +226,18 @@ def test_bad_settings_are_refused_before_loading(capsys, tmp_path, bad, message)
     assert rc != 0 and message in err and "missing" not in err
 
 
-def test_the_default_pair_runs_in_bf16_on_a_cpu_with_bf16_units(tmp_path, monkeypatch):
+def test_the_default_pair_runs_in_bf16_on_a_cpu_with_bf16_units(monkeypatch):
     """--dtype auto keeps a named checkpoint's own dtype, and runs the embedded default pair in bf16
     where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX flags), float32 elsewhere."""
     import jax
     import jax.numpy as jnp
 
-    from bastion_jax import cli
+    from bastion_jax import cli, hardware
 
-    with_units, without = tmp_path / "bf16", tmp_path / "plain"
-    with_units.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile\n\n"
-                          "processor\t: 1\nflags\t\t: fpu\n")
-    without.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n")
-    assert cli.cpu_has_bf16_units(str(with_units)) and not cli.cpu_has_bf16_units(str(without))
-    assert not cli.cpu_has_bf16_units(str(tmp_path / "missing"))
-    for units in (True, False):
-        monkeypatch.setattr(cli, "cpu_has_bf16_units", lambda units=units: units)
+    first = {"processor": "0", "flags": "fpu sse2 avx2 avx512f avx512_bf16 amx_tile"}  # (hardware._cpuinfo's form)
+    for info, units in ((first, True), ({"flags": "fpu sse2 avx2 avx512f avx512bw"}, False), ({}, False)):
+        monkeypatch.setattr(hardware, "_cpuinfo", lambda info=info: info)
+        assert hardware.cpu_has_bf16_units() == units
         on_cpu = jax.default_backend() == "cpu"
         assert cli.resolve_dtype("auto", default_pair=True) == (jnp.bfloat16 if units and on_cpu else None)
         assert cli.resolve_dtype("auto") is None  # a checkpoint the user names keeps its dtype
