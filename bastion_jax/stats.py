@@ -20,7 +20,7 @@ class Stats:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     compilations: int = 0  # by the engine during this request (warm-up)
-    compilations_after_warmup: int = 0  # any XLA compilation inside the decode loop (must stay 0)
+    compilations_after_warmup: int = 0  # any XLA compilation in the timed request, prefill on (must stay 0)
     buckets: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> times chosen
     chain_steps: int = 0  # bastion steps (counted in `buckets` too) that verified a held lookup chain, no draft
     ended: dict[str, int] = dataclasses.field(default_factory=dict)  # why rows ended -> rows ("stop token", ...)

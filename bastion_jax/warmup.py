@@ -24,7 +24,7 @@ import numpy as np
 
 from bastion_jax.latency import AR, AR_DRAFT, held
 from bastion_jax.modeling.attention import PREFILL_TILE
-from bastion_jax.sampling import SamplingConfig, sampler
+from bastion_jax.sampling import KeyStream, SamplingConfig, sampler
 from bastion_jax.tree_decoding import DRAFT, FLUSH, HOLD
 
 if TYPE_CHECKING:
@@ -146,10 +146,12 @@ def warm_up(engine: "Engine", kind: str, batch: int, bucket: int, cache_len: int
     # a 1,377-token prompt's prefill on CPU), while the padding tiles stay skipped (cheap).
     warm_len = PREFILL_TILE + 16 if bucket > PREFILL_TILE else 16
     # The request's own host->device preparation too, on dummy prompts of the same shapes: its eager
-    # ops (the key split, the prompt's transfer) compile on their first use, ~0.1-0.2 s of the first
-    # request's time to first token otherwise.
-    _, (tokens, lens, params) = prompt_args(np.zeros((batch, bucket), np.int32),
-                                            np.full((batch,), min(warm_len, bucket), np.int32), 0, sampling)
+    # ops (the key split, the prompt's transfer, a sampled request's per-step keys) compile on their
+    # first use, ~0.1-0.2 s of the first request's time to first token otherwise.
+    rng, (tokens, lens, params) = prompt_args(np.zeros((batch, bucket), np.int32),
+                                              np.full((batch,), min(warm_len, bucket), np.int32), 0, sampling)
+    if not sampling.greedy:
+        KeyStream(rng)
     inactive = jax.device_put(np.zeros((batch,), bool))
     if kind == "ar":
         tcache, nxt = prefill(exe.target_params, exe.new_cache(batch, cache_len), tokens, lens, params)

@@ -201,6 +201,24 @@ def test_the_warm_up_has_finished_when_the_request_starts(converted, monkeypatch
     assert len(slow) == 2 and [p.ready_then for p in slow] == [[True], [True]]
 
 
+@pytest.mark.parametrize("mode,temperature", [("ar", 0.0), ("dflash", 0.0), ("bastion", 0.0), ("ar", 1.0),
+                                              ("dflash", 1.0), ("bastion", 1.0)])
+def test_the_timed_request_compiles_nothing_in_a_fresh_process(converted, mode, temperature):
+    """From the request's clock on (prefill, first token, loop) nothing compiles, even where no eager
+    op ever compiled before (`jax.clear_caches` stands in for a fresh process): the first token
+    was read through an eager slice on the device, compiled inside a process's first request
+    (~60-200 ms of its time to first token on CPU, the count taken from the loop on missed it)."""
+    from bastion_jax.sampling import SamplingConfig
+
+    _, target = converted("llama3")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK), seed=1)
+    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4), top_k=4)
+    jax.clear_caches()
+    res = engine.generate([[5, 9, 11, 40, 41]], max_new_tokens=6, mode=mode, sampling=SamplingConfig(temperature))
+    assert res.stats.compilations > 0  # (its steps did compile, before the clock)
+    assert res.stats.compilations_after_warmup == 0
+
+
 def test_default_mode_is_the_clis(pair, converted):
     _, engine = pair
     assert engine.default_mode == "bastion"
