@@ -100,6 +100,20 @@ def test_timings_exclude_what_the_caller_does_between_steps(pair, monkeypatch):
     assert (stats.compile_s, stats.ttft_s, stats.decode_s) == (0.0, 0.0, 0.0)
 
 
+def _wrap_compiled(monkeypatch, wrap) -> None:
+    """Every executable `Executables` compiles from now on is held as `wrap(executable, key)`."""
+    from bastion_jax.executables import Executables
+
+    compiled = Executables.compiled
+
+    def spy(self, fn, key, args, static=None):
+        if key not in self._table:
+            self._table[key] = wrap(compiled(self, fn, key, args, static), key)
+        return self._table[key]
+
+    monkeypatch.setattr(Executables, "compiled", spy)
+
+
 class _Spy:
     """A compiled executable that logs each call's key (its first run is its one-time set-up)."""
 
@@ -120,18 +134,10 @@ def test_every_executable_runs_once_before_the_request_is_timed(converted, monke
     runs every executable a request may use, bastion's held-chain and flush steps included, once at
     warm-up, before the request's own prefill (whose call starts the timed part), so none first
     runs inside the request; a second request with the same shapes runs no warm-up at all."""
-    from bastion_jax.executables import Executables
     from bastion_jax.testing import ChainsPay
 
     calls: list = []
-    compiled = Executables.compiled
-
-    def spy(self, fn, key, args, static=None):
-        if key not in self._table:
-            self._table[key] = _Spy(compiled(self, fn, key, args, static), key, calls)
-        return self._table[key]
-
-    monkeypatch.setattr(Executables, "compiled", spy)
+    _wrap_compiled(monkeypatch, lambda exe, key: _Spy(exe, key, calls))
     _, target = converted("llama3")
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK), seed=1)
     engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4), top_k=4, latency=ChainsPay())
@@ -180,19 +186,15 @@ def test_the_warm_up_has_finished_when_the_request_starts(converted, monkeypatch
     (the tree warm-up returned the prefill's state unread when no step was left to run), so the
     request's first eager op waited for it: 0.94 s time to first token at a new prefill bucket of
     the default pair against 0.155 s on a repeat."""
-    from bastion_jax.executables import Executables
+    slow: list = []
 
-    compiled, slow = Executables.compiled, []
+    def wrap(exe, key):
+        if not key[0].endswith("prefill"):
+            return _Spy(exe, key, [])
+        slow.append(_SlowPrefill(exe, key, []))
+        return slow[-1]
 
-    def spy(self, fn, key, args, static=None):
-        if key not in self._table:
-            wrap = _SlowPrefill if key[0].endswith("prefill") else _Spy
-            self._table[key] = exe = wrap(compiled(self, fn, key, args, static), key, [])
-            if wrap is _SlowPrefill:
-                slow.append(exe)
-        return self._table[key]
-
-    monkeypatch.setattr(Executables, "compiled", spy)
+    _wrap_compiled(monkeypatch, wrap)
     _, target = converted("llama3")
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK), seed=1)
     engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4), top_k=4)
