@@ -23,6 +23,25 @@ os.environ.setdefault("BASTION_WEIGHTS_LAYOUT", "in-out")
 import pytest  # noqa: E402
 
 
+@pytest.fixture
+def wrap_compiled(monkeypatch):
+    """`wrap_compiled(wrap)`: every executable `Executables` compiles from then on is held as
+    `wrap(executable, key)` (a spy on which steps compile, or run, and when)."""
+    from bastion_jax.executables import Executables
+
+    compiled = Executables.compiled
+
+    def install(wrap) -> None:
+        def spy(self, fn, key, args, static=None):
+            if key not in self._table:
+                self._table[key] = wrap(compiled(self, fn, key, args, static), key)
+            return self._table[key]
+
+        monkeypatch.setattr(Executables, "compiled", spy)
+
+    return install
+
+
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
     """`converted(arch)` -> (torch model, loaded Target) via save_pretrained -> convert -> load."""

@@ -100,20 +100,6 @@ def test_timings_exclude_what_the_caller_does_between_steps(pair, monkeypatch):
     assert (stats.compile_s, stats.ttft_s, stats.decode_s) == (0.0, 0.0, 0.0)
 
 
-def _wrap_compiled(monkeypatch, wrap) -> None:
-    """Every executable `Executables` compiles from now on is held as `wrap(executable, key)`."""
-    from bastion_jax.executables import Executables
-
-    compiled = Executables.compiled
-
-    def spy(self, fn, key, args, static=None):
-        if key not in self._table:
-            self._table[key] = wrap(compiled(self, fn, key, args, static), key)
-        return self._table[key]
-
-    monkeypatch.setattr(Executables, "compiled", spy)
-
-
 class _Spy:
     """A compiled executable that logs each call's key (its first run is its one-time set-up)."""
 
@@ -129,7 +115,7 @@ class _Spy:
 
 
 @pytest.mark.parametrize("mode", ["ar", "dflash", "fixed:4", "bastion"])
-def test_every_executable_runs_once_before_the_request_is_timed(converted, monkeypatch, mode):
+def test_every_executable_runs_once_before_the_request_is_timed(converted, wrap_compiled, mode):
     """On XLA:CPU an executable's first run costs ~1-2.5 s on top of its time (SmolLM2): the engine
     runs every executable a request may use, bastion's held-chain and flush steps included, once at
     warm-up, before the request's own prefill (whose call starts the timed part), so none first
@@ -137,7 +123,7 @@ def test_every_executable_runs_once_before_the_request_is_timed(converted, monke
     from bastion_jax.testing import ChainsPay
 
     calls: list = []
-    _wrap_compiled(monkeypatch, lambda exe, key: _Spy(exe, key, calls))
+    wrap_compiled(lambda exe, key: _Spy(exe, key, calls))
     _, target = converted("llama3")
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK), seed=1)
     engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4), top_k=4, latency=ChainsPay())
@@ -180,7 +166,7 @@ def _slow_identity(tree):
     return jax.tree.map(lambda a: a + (y[0, 0] * 0).astype(a.dtype), tree)
 
 
-def test_the_warm_up_has_finished_when_the_request_starts(converted, monkeypatch):
+def test_the_warm_up_has_finished_when_the_request_starts(converted, wrap_compiled):
     """The warm-up waits for its own runs: a request at a new prompt bucket, every step warm already,
     warms only its prefill, and that run must be over before the request's clock starts. It was not
     (the tree warm-up returned the prefill's state unread when no step was left to run), so the
@@ -194,7 +180,7 @@ def test_the_warm_up_has_finished_when_the_request_starts(converted, monkeypatch
         slow.append(_SlowPrefill(exe, key, []))
         return slow[-1]
 
-    _wrap_compiled(monkeypatch, wrap)
+    wrap_compiled(wrap)
     _, target = converted("llama3")
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK), seed=1)
     engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4), top_k=4)

@@ -239,21 +239,14 @@ def test_random_layouts_hold_the_same_weights():
                               np.asarray(layers[1]["mlp"]["up_proj"]["weight"]))  # each layer its own draw
 
 
-def test_verify_probe_times_the_target_side_without_compiling_tree_steps(tmp_path, monkeypatch):
+def test_verify_probe_times_the_target_side_without_compiling_tree_steps(tmp_path, wrap_compiled):
     """verify_probe brings back the AR-vs-floor and verify(b)/AR ratios having compiled only the AR
     steps, the plain forwards and tree_verify: never tree_prefill, a tree step or the drafter (XLA:GPU
     took minutes over tree_prefill at 8B shapes)."""
-    from bastion_jax.executables import Executables
     from benchmarks import verify_probe
 
     compiled = []
-    real = Executables.compiled
-
-    def spy(self, fn, key, args, static=None):
-        compiled.append(key[0])
-        return real(self, fn, key, args, static)
-
-    monkeypatch.setattr(Executables, "compiled", spy)
+    wrap_compiled(lambda exe, key: compiled.append(key[0]) or exe)
     rc = verify_probe.main(TINY + ["--layers-layout", "scanned", "--out-dir", str(tmp_path), "--name", "vp", "--quiet",
                                    "--trace", str(tmp_path / "trace"), "--trace-steps", "3"])
     assert rc == 0
