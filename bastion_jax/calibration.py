@@ -49,14 +49,15 @@ def calibration_path(engine, model: str):
 
 
 def load_or_calibrate(engine, model: str, cache_len: int, sampling, skip: bool, log, prompt_bucket: int = 16,
-                      batch: int = 1, refresh: bool = False) -> str:
+                      batch: int = 1, refresh: bool = False, progress: bool = False) -> str:
     """Reuse the calibration saved for exactly this setting (unless `refresh`: `--recalibrate`, for a
     saved one taken while the machine was busy), else profile now (unless `skip`), from a
     prefill at `prompt_bucket` (the coming request's, so that its prefill compiles once), with
     `batch` rows: the engine's latency model then prices steps of that many rows (a batch's steps
     cost other multiples of an AR step than one row's, and the key holds the batch size).
     Only a run that profiled writes the file, right after the fit: online (EMA) corrections made
-    while generating never reach it. Returns "reused", "profiled" or "skipped"."""
+    while generating never reach it. `progress`: say what is coming and show a bar while it
+    profiles (minutes of compiling on a small CPU). Returns "reused", "profiled" or "skipped"."""
     engine.latency = engine.latency.for_batch(batch)
     path = calibration_path(engine, model)
     dtype = engine.target.dtype.name
@@ -68,8 +69,11 @@ def load_or_calibrate(engine, model: str, cache_len: int, sampling, skip: bool, 
     if skip:
         log("latency calibration: skipped (roofline + online correction; nothing saved)")
         return "skipped"
+    if progress:
+        log("latency calibration: none saved for this setting yet: compiling the steps and timing them once "
+            "(saved for later runs; minutes on a small CPU the first time, less from the compilation cache)")
     t0 = time.perf_counter()
-    samples = engine.calibrate(cache_len, sampling, prompt_bucket=prompt_bucket, batch=batch)
+    samples = engine.calibrate(cache_len, sampling, prompt_bucket=prompt_bucket, batch=batch, progress=progress)
     engine.latency.save(path, model, dtype, engine.top_k)
     log(f"latency calibration: profiled {len(samples)} step timings over buckets "
         f"{','.join(map(str, engine.buckets))}{f' at batch {batch}' if batch > 1 else ''} in "

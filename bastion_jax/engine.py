@@ -199,16 +199,18 @@ class Engine:
 
     def calibrate(self, cache_len: int, sampling: SamplingConfig = SamplingConfig(),
                   contexts: Sequence[int] | None = None, reps: int = warmup.CALIBRATION_REPS,
-                  batch: int = 1, prompt_bucket: int = 16) -> list[tuple[int | str, int, float]]:
+                  batch: int = 1, prompt_bucket: int = 16,
+                  progress: bool = False) -> list[tuple[int | str, int, float]]:
         """Offline calibration (`warmup.calibrate`): time every bucket's step, the root (AR) step with and
         without a draft and the steps that verify a held lookup chain at a few context lengths, with
         `batch` rows, and fit the latency model, which from then on prices steps of that batch.
         `prompt_bucket`: the prefill it starts from (`prefill_bucket` of the request to come: its
-        prefill is then compiled once). Returns the (variant, context, seconds) samples."""
+        prefill is then compiled once). `progress`: a bar on stderr. Returns the (variant, context,
+        seconds) samples."""
         if not 1 <= prompt_bucket <= cache_len:
             raise GenerationError(f"calibration prompt_bucket {prompt_bucket} must lie in [1, {cache_len}] "
                                   "(the cache length)")
-        return warmup.calibrate(self, cache_len, sampling, contexts, reps, batch, prompt_bucket)
+        return warmup.calibrate(self, cache_len, sampling, contexts, reps, batch, prompt_bucket, progress)
 
     def tree_step_buckets(self, kind: str) -> list[int]:
         """The tree steps bastion compiles: not bucket 1 (the root alone runs as a root step that

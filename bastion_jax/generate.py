@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                                       cond_candidates=engine.cond_candidates)
             load_or_calibrate(engine, model, cache_len, sampling, args.no_calibrate, log,
                               prefill_bucket(max(len(x) for x in ids), cache_len), batch=len(ids),
-                              refresh=args.recalibrate)
+                              refresh=args.recalibrate, progress=not args.quiet)
         gen = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, max_len=cache_len)
         if args.compare_ar:
             # Both modes compile and run once on these prompts before either is timed.

@@ -14,6 +14,7 @@ branch of every step (`sampling.sample`), whose first run pays the set-up again.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from bastion_jax.latency import AR, AR_DRAFT, held
 from bastion_jax.modeling.attention import PREFILL_TILE
@@ -69,23 +71,29 @@ CALIBRATION_REPS = 15
 
 
 def calibrate(engine: "Engine", cache_len: int, sampling: SamplingConfig, contexts: Sequence[int] | None,
-              reps: int, batch: int, prompt_bucket: int = 16) -> list[tuple[int | str, int, float]]:
+              reps: int, batch: int, prompt_bucket: int = 16, progress: bool = False
+              ) -> list[tuple[int | str, int, float]]:
     """`Engine.calibrate`: the median of `reps` timings of every priced variant (`tree_variants` less
     the flush) at each context, taken in rounds over all points (one timing is off by 10-20% now and
     then on a busy CPU, and the draft gate decides on these prices), fitted into the engine's
     latency model. Steps run with the rows inactive, so the context length stays put. The state
     comes from a prefill at `prompt_bucket`: the request's own bucket, its prefill then compiled
-    here once rather than again in its warm-up (~10 s of a first CPU run)."""
+    here once rather than again in its warm-up (~10 s of a first CPU run). `progress`: a bar on
+    stderr, a step at a time as each is compiled and first run, then a round at a time (a first
+    calibration on a 2-core CPU is minutes of compiling, silent otherwise)."""
     engine.latency = engine.latency.for_batch(batch)
     top = cache_len - engine.tree_slack() - 1
     contexts = sorted({max(1, c) for c in (contexts or (16, top)) if c <= top})
     exe = engine.executables
     prefill, variants = tree_variants(engine, batch, cache_len, prompt_bucket)
     variants.pop(FLUSH_VARIANT, None)
+    bar = tqdm(total=1 + len(variants) + reps, desc="latency calibration", unit="step", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True, leave=False, postfix="compiling")  # prefill, first runs, rounds
     key = sampler(jax.random.PRNGKey(0), sampling)
     state, _ = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),
                        exe.new_drafter_cache(batch, cache_len), jnp.zeros((batch, prompt_bucket), jnp.int32),
                        jnp.ones((batch,), jnp.int32), key)
+    bar.update()
     inactive = jnp.zeros((batch,), bool)
     points = [(b, c) for b in variants for c in contexts]
     times: dict[tuple, list[float]] = {pt: [] for pt in points}
@@ -93,8 +101,9 @@ def calibrate(engine: "Engine", cache_len: int, sampling: SamplingConfig, contex
     # then lands on all buckets alike instead of pricing one of them high (four back-to-back
     # calibrations priced bucket 8 at 36.0-42.7 ms, once below bucket 4, which decides buckets).
     state = first_runs(list(variants.values()), state,
-                       lambda f, s: f(exe.target_params, exe.drafter_params, s, inactive, key))
+                       lambda f, s: f(exe.target_params, exe.drafter_params, s, inactive, key), bar.update)
     engine.warm.update(exe_id(f, sampling) for f in variants.values())
+    bar.set_postfix_str("timing")
     for _ in range(reps):
         for b, c in points:
             state = state.replace(length=jnp.full((batch,), c, jnp.int32))
@@ -102,16 +111,19 @@ def calibrate(engine: "Engine", cache_len: int, sampling: SamplingConfig, contex
             state, out, _ = variants[b](exe.target_params, exe.drafter_params, state, inactive, key)
             jax.block_until_ready(out.count)
             times[(b, c)].append(time.perf_counter() - t0)
+        bar.update()
+    bar.close()
     samples = [(b, c, statistics.median(times[(b, c)])) for b, c in points]
     engine.latency.fit(samples)
     return samples
 
 
-def first_runs(steps: Sequence[Callable], state, call: Callable):
+def first_runs(steps: Sequence[Callable], state, call: Callable, done: Callable[[], object] | None = None):
     """Run every step once, `call(step, state) -> (state, ...)`, on scratch state (a step donates it),
-    outputs dropped; returns a state to go on with, computed: whatever the warm-up left running
-    (a first run's set-up, ~1 s) would otherwise delay the request's first op and count in its
-    time to first token (0.94 s against 0.155 s at a new prompt bucket, before this waited).
+    outputs dropped, `done()` after each when given (a progress bar's tick); returns a state to go
+    on with, computed: whatever the warm-up left running (a first run's set-up, ~1 s) would
+    otherwise delay the request's first op and count in its time to first token (0.94 s against
+    0.155 s at a new prompt bucket, before this waited).
 
     On XLA:CPU an executable's first run is mostly one-off set-up on the calling thread (~1 s per
     SmolLM2 tree step), so there two steps at a time run, each on its own copy of the state, beside
@@ -120,11 +132,15 @@ def first_runs(steps: Sequence[Callable], state, call: Callable):
     on: nothing to gain there, and each copy of the caches would cost device memory."""
     if jax.default_backend() != "cpu":
         for step in steps:
-            state = call(step, state)[0]
+            state = jax.block_until_ready(call(step, state)[0]) if done else call(step, state)[0]
+            if done:
+                done()
         return jax.block_until_ready(state)
 
     def one(step):
         jax.block_until_ready(call(step, jax.tree.map(jnp.copy, state)))
+        if done:
+            done()
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(one, steps))  # (re-raises a step's error)

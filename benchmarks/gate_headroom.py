@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                         cond_candidates=args.cond_candidates)
         model = calibration_model(target, drafter, engine.draft_vocab, lookup=False, cond_depths=engine.cond_depths,
                                   cond_candidates=engine.cond_candidates)
-        load_or_calibrate(engine, model, 1024, sampling, args.no_calibrate, log, refresh=args.recalibrate)
+        load_or_calibrate(engine, model, 1024, sampling, args.no_calibrate, log, refresh=args.recalibrate,
+                          progress=not args.quiet)
         trees = tree_pass(engine)
         sets = {Path(resolve_prompt_file(s)).name.split(".")[0]: read_prompts(resolve_prompt_file(s), args.max_prompts)
                 for s in args.prompts}

@@ -24,6 +24,10 @@ def tiny_ckpt(tmp_path_factory):
 NOTHING_COMPILED = re.compile(r"warm-up \d+\.\ds \(0 compiled, 0 after\)")
 
 
+# The calibration's progress bar (tqdm on stderr) as it starts: every step's first run and each round to go.
+CALIBRATION_BAR = re.compile(r"latency calibration: +0%\|.*\| 0/\d+ ")
+
+
 def run(capsys, *argv):
     rc = generate.main(list(argv))
     out = capsys.readouterr()
@@ -70,11 +74,14 @@ def test_only_a_run_that_profiled_writes_the_calibration(capsys, tiny_ckpt, tmp_
     assert len(list(calibration.iterdir())) == 1
     rc, out, err = run(capsys, *single)
     assert rc == 0 and "latency calibration: profiled" in err and "at batch" not in err, err
+    # What profiling costs is said first, then a bar counts it out (minutes of silence on a fresh machine).
+    assert "latency calibration: none saved for this setting yet: compiling" in err and CALIBRATION_BAR.search(err)
     saved = [f for f in calibration.iterdir() if '"batch": 1' in f.read_text()]
     assert len(saved) == 1 and len(list(calibration.iterdir())) == 2
     written = saved[0].read_text()
     rc, out2, err2 = run(capsys, *single, "--compare-ar")
     assert rc == 0 and "latency calibration: reused" in err2 and out2 == out, err2
+    assert not CALIBRATION_BAR.search(err2) and "none saved" not in err2
     assert saved[0].read_text() == written  # generating (online corrections) did not rewrite it
     assert "[compare] bastion vs ar: speedup" in err2 and "text identical to AR: yes" in err2
     # Both timed runs were warmed up alike: neither compiled anything while being timed.
@@ -83,8 +90,8 @@ def test_only_a_run_that_profiled_writes_the_calibration(capsys, tiny_ckpt, tmp_
     rc, _, err = run(capsys, *batch)
     assert rc == 0 and "latency calibration: reused" in err, err
     # --recalibrate profiles although one is saved, and saves over it (a busy machine's prices).
-    rc, out3, err = run(capsys, *single, "--recalibrate")
-    assert rc == 0 and "latency calibration: profiled" in err and out3 == out, err
+    rc, out3, err = run(capsys, *single, "--recalibrate", "--quiet")
+    assert rc == 0 and "latency calibration" not in err and out3 == out, err  # (--quiet: no bar either)
     assert len(list(calibration.iterdir())) == 2 and saved[0].read_text() != written
     rc, _, err = run(capsys, *single, "--recalibrate", "--no-calibrate")
     assert rc != 0 and err.strip().splitlines() == ["error: --recalibrate profiles and --no-calibrate does not: "
