@@ -161,6 +161,7 @@ class Engine:
         self.latency = latency or self.default_latency_model()
         self._batch_latency: dict[int, LatencyModel] = {}  # models for other batch sizes than self.latency's
         self.warm: set[tuple[int, bool]] = set()  # (executable id, greedy) run once (`warmup.warm_up`)
+        self.progress = False  # a bar on stderr while a warm-up runs (the CLI's; seconds per step on CPU)
 
     def latency_for(self, batch: int) -> LatencyModel:
         """The latency model that prices steps of `batch` rows: `self.latency` when it was made (and
@@ -293,24 +294,25 @@ class Engine:
         exe = self.executables
         before = exe.compilations
         t0 = time.perf_counter()
-        if policy.uses_tree:
-            step_buckets = ([policy.size] if policy.kind == "fixed" else list(controller.paper_buckets)
-                            if policy.kind == "bastion-paper" else self.tree_step_buckets(policy.kind))
-            prefill, steps = exe.tree(batch, bucket, cache_len, step_buckets)
-            gate, roots, chains = None, None, None
-            if policy.kind == "bastion":
-                roots = exe.roots(batch, cache_len)
-                chains = exe.chains(batch, cache_len)
-                gate = DraftGate(self.buckets, latency.step_time, tree_decoding.pending_slots(self.block_size),
-                                 self.block_size, held_rows=max(chains, default=1))
-                # What the gate learnt of this drafter and text carries over to the next request.
-                gate.restore(self._gate_memory.setdefault((batch, sampling.greedy), {}))
-        else:
-            prefill, step = (exe.ar if policy.kind == "ar" else exe.chain)(batch, bucket, cache_len)
-        # Every executable this request may use runs once now, not inside the timed request.
-        used = ([*steps.values(), *(roots or {}).values(), *(chains or {}).values()] if policy.uses_tree
-                else [step])
-        warmup.warm_up(self, policy.kind, batch, bucket, cache_len, sampling, prefill, used)
+        with warmup.progress(self) as bar:  # (a bar on stderr for the CLI: steps lowered, then first runs)
+            if policy.uses_tree:
+                step_buckets = ([policy.size] if policy.kind == "fixed" else list(controller.paper_buckets)
+                                if policy.kind == "bastion-paper" else self.tree_step_buckets(policy.kind))
+                prefill, steps = exe.tree(batch, bucket, cache_len, step_buckets)
+                gate, roots, chains = None, None, None
+                if policy.kind == "bastion":
+                    roots = exe.roots(batch, cache_len)
+                    chains = exe.chains(batch, cache_len)
+                    gate = DraftGate(self.buckets, latency.step_time, tree_decoding.pending_slots(self.block_size),
+                                     self.block_size, held_rows=max(chains, default=1))
+                    # What the gate learnt of this drafter and text carries over to the next request.
+                    gate.restore(self._gate_memory.setdefault((batch, sampling.greedy), {}))
+            else:
+                prefill, step = (exe.ar if policy.kind == "ar" else exe.chain)(batch, bucket, cache_len)
+            # Every executable this request may use runs once now, not inside the timed request.
+            used = ([*steps.values(), *(roots or {}).values(), *(chains or {}).values()] if policy.uses_tree
+                    else [step])
+            warmup.warm_up(self, policy.kind, batch, bucket, cache_len, sampling, prefill, used, bar)
         exe.ready()  # (nothing compiles on a worker thread once the request runs)
         stats.compile_s += time.perf_counter() - t0
 

@@ -213,6 +213,7 @@ class Executables:
         self._config: StepConfig | None = None  # made once (`config`)
         self._full_tables = None  # a conditioned head's full-vocabulary tables (`_chain_tables`), once asked for
         self.compilations = 0  # compilations done so far (a cached shape adds none)
+        self.on_lower: Callable[[], object] | None = None  # called after each new step is lowered (a progress bar)
 
     # -- buffers ---------------------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int) -> KVCache:
@@ -244,6 +245,8 @@ class Executables:
             exe = Compiling(_pool().submit(lowered.compile, compiler_options=compiler_options()))
             self._table[key] = exe
             self.compilations += 1
+            if self.on_lower is not None:
+                self.on_lower()
         return exe
 
     def ready(self) -> None:

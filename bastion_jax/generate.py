@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(target, tokenizer, drafter=drafter, buckets=buckets, top_k=args.tree_top_k,
                         draft_vocab=draft_vocab, lookup=resolve_lookup(args.lookup), datastore=args.datastore,
                         cond_depths=args.cond_depths, cond_candidates=args.cond_candidates)
+        engine.progress = not args.quiet
         if engine.datastore is not None and policy.uses_tree:
             log(f"datastore: {engine.datastore.tokens.shape[0]:,} target-written tokens for the lookup's chains "
                 "(--datastore off: the context's chains only)")

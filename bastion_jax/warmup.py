@@ -13,11 +13,12 @@ branch of every step (`sampling.sample`), whose first run pays the set-up again.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -147,16 +148,43 @@ def first_runs(steps: Sequence[Callable], state, call: Callable, done: Callable[
     return jax.block_until_ready(state)
 
 
+BAR_DELAY_S = 0.5  # a warm-up bar shows only once its warm-up has lasted this long (most requests: none)
+
+
+def progress_bar(engine: "Engine") -> tqdm:
+    """The warm-up's bar on stderr (disabled unless `engine.progress`). Without it a CLI run sits
+    silent for the seconds (CPU) its steps take to lower, compile or load, and run once."""
+    return tqdm(desc="warm-up", unit="step", disable=not engine.progress, file=sys.stderr, dynamic_ncols=True,
+                leave=False, postfix="lowering", delay=BAR_DELAY_S)
+
+
+@contextlib.contextmanager
+def progress(engine: "Engine") -> Iterator[tqdm]:
+    """A request's preparation with its `progress_bar`: each step lowered counts
+    (`Executables.on_lower`), then `warm_up(..., bar)` counts the first runs."""
+    bar = progress_bar(engine)
+    engine.executables.on_lower = bar.update
+    try:
+        yield bar
+    finally:
+        engine.executables.on_lower = None
+        bar.close()
+
+
 def warm_up(engine: "Engine", kind: str, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig,
-            prefill, steps: Sequence) -> None:
+            prefill, steps: Sequence, bar: tqdm | None = None) -> None:
     """Run once, on scratch buffers, the prefill and every step of a request of policy `kind` ("ar",
     "dflash" or a tree policy) that never ran (nothing when all did). Steps run with their rows
     inactive, at a context of 16 (272 after a prompt bucket over one prefill tile), so that the
-    attention's loops run, and their outputs are dropped."""
+    attention's loops run, and their outputs are dropped. `bar` (`progress_bar`) counts the runs."""
     steps = [f for f in steps if exe_id(f, sampling) not in engine.warm]
     if not steps and exe_id(prefill, sampling) in engine.warm:
         return
     exe = engine.executables
+    own = bar is None
+    bar = progress_bar(engine) if own else bar
+    bar.set_postfix_str("first runs", refresh=False)
+    bar.reset(total=1 + len(steps))  # the prefill, then every step: compiled (or loaded) and run once
     # A prompt over one prefill tile, where the bucket has two: the tiled prefill's loop over the key
     # tiles left of the diagonal runs then (a loop body first run inside the request costs ~0.35 s of
     # a 1,377-token prompt's prefill on CPU), while the padding tiles stay skipped (cheap).
@@ -171,17 +199,25 @@ def warm_up(engine: "Engine", kind: str, batch: int, bucket: int, cache_len: int
     inactive = jax.device_put(np.zeros((batch,), bool))
     if kind == "ar":
         tcache, nxt = prefill(exe.target_params, exe.new_cache(batch, cache_len), tokens, lens, params)
+        bar.update()
         for step in steps:  # (the loop sends the lengths each step)
             tcache, nxt = step(exe.target_params, tcache, nxt, jax.device_put(np.asarray(lens)), params, inactive)
+            bar.update()
         jax.block_until_ready(nxt)
     elif kind == "dflash":
         state = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),
                         exe.new_drafter_cache(batch, cache_len), tokens, lens, params)
+        bar.update()
         for step in steps:
             state, _ = step(exe.target_params, exe.drafter_params, state, inactive, params)
+            bar.update()
         jax.block_until_ready(state)
     else:
         state, _ = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),
                            exe.new_drafter_cache(batch, cache_len), tokens, lens, params)
-        first_runs(steps, state, lambda f, s: f(exe.target_params, exe.drafter_params, s, inactive, params))
+        bar.update()
+        first_runs(steps, state, lambda f, s: f(exe.target_params, exe.drafter_params, s, inactive, params),
+                   bar.update)
+    if own:
+        bar.close()
     engine.warm.update(exe_id(f, sampling) for f in (prefill, *steps))  # (the prefill ran too: it made the state)

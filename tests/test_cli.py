@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bastion_jax import calibration, generate
+from bastion_jax import calibration, generate, warmup
 from bastion_jax.testing import save_tiny_hf
 from bastion_jax.checkpoints import convert
 
@@ -26,6 +26,7 @@ NOTHING_COMPILED = re.compile(r"warm-up \d+\.\ds \(0 compiled, 0 after\)")
 
 # The calibration's progress bar (tqdm on stderr) as it starts: every step's first run and each round to go.
 CALIBRATION_BAR = re.compile(r"latency calibration: +0%\|.*\| 0/\d+ ")
+WARMUP_BAR = re.compile(r"warm-up: +\d+%\|.*\| \d+/\d+ ")
 
 
 def run(capsys, *argv):
@@ -57,7 +58,7 @@ def test_speculative_modes_with_random_drafter_print_ar_text(capsys, tiny_ckpt, 
 RANDOM_PAIR = ["--drafter", "random", "--block-size", "4", "--buckets", "1,4"]
 
 
-def test_only_a_run_that_profiled_writes_the_calibration(capsys, tiny_ckpt, tmp_path):
+def test_only_a_run_that_profiled_writes_the_calibration(capsys, tiny_ckpt, tmp_path, monkeypatch):
     """--no-calibrate never writes a calibration (runs used to save their online-corrected model, which
     the next run then reused as if it were measured); a batch profiles and saves at its own size,
     which never prices one row: the next single-prompt run profiles afresh, saves, and the one after
@@ -66,6 +67,7 @@ def test_only_a_run_that_profiled_writes_the_calibration(capsys, tiny_ckpt, tmp_
     single = ["w5 w6 w7", "--target", tiny_ckpt, "--no-chat", "--max-new-tokens", "16", *RANDOM_PAIR]
     batch = ["w5 w6", "w7 w8 w9 w10", "--target", tiny_ckpt, "--no-chat", "--max-new-tokens", "8", *RANDOM_PAIR]
     calibration = tmp_path / "cache" / "calibration"
+    monkeypatch.setattr(warmup, "BAR_DELAY_S", 0)  # (a tiny model's warm-up may end before the bar's delay)
     rc, _, err = run(capsys, *single, "--no-calibrate")
     assert rc == 0 and "latency calibration: skipped" in err, err
     assert not calibration.exists() or not any(calibration.iterdir())
@@ -82,6 +84,7 @@ def test_only_a_run_that_profiled_writes_the_calibration(capsys, tiny_ckpt, tmp_
     rc, out2, err2 = run(capsys, *single, "--compare-ar")
     assert rc == 0 and "latency calibration: reused" in err2 and out2 == out, err2
     assert not CALIBRATION_BAR.search(err2) and "none saved" not in err2
+    assert WARMUP_BAR.search(err2)  # (the steps' first runs, before anything is timed)
     assert saved[0].read_text() == written  # generating (online corrections) did not rewrite it
     assert "[compare] bastion vs ar: speedup" in err2 and "text identical to AR: yes" in err2
     # Both timed runs were warmed up alike: neither compiled anything while being timed.
@@ -92,6 +95,7 @@ def test_only_a_run_that_profiled_writes_the_calibration(capsys, tiny_ckpt, tmp_
     # --recalibrate profiles although one is saved, and saves over it (a busy machine's prices).
     rc, out3, err = run(capsys, *single, "--recalibrate", "--quiet")
     assert rc == 0 and "latency calibration" not in err and out3 == out, err  # (--quiet: no bar either)
+    assert not WARMUP_BAR.search(err)
     assert len(list(calibration.iterdir())) == 2 and saved[0].read_text() != written
     rc, _, err = run(capsys, *single, "--recalibrate", "--no-calibrate")
     assert rc != 0 and err.strip().splitlines() == ["error: --recalibrate profiles and --no-calibrate does not: "
