@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from bastion_jax.engine import Engine
 
 FLUSH_VARIANT = "flush"  # the root step that flushes, among `tree_variants` (warmed, never priced)
+BAR_DELAY_S = 0.5  # a warm-up bar shows only once its warm-up has lasted this long (most requests: none)
+# Counts and time so far, no rate or time left: a bar's items take seconds (compiles) to milliseconds.
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
 
 
 def exe_id(f, sampling: SamplingConfig) -> tuple[int, bool]:
@@ -88,8 +91,8 @@ def calibrate(engine: "Engine", cache_len: int, sampling: SamplingConfig, contex
     exe = engine.executables
     prefill, variants = tree_variants(engine, batch, cache_len, prompt_bucket)
     variants.pop(FLUSH_VARIANT, None)
-    bar = tqdm(total=1 + len(variants) + reps, desc="latency calibration", unit="step", disable=not progress,
-               file=sys.stderr, dynamic_ncols=True, leave=False, postfix="compiling")  # prefill, first runs, rounds
+    bar = tqdm(total=1 + len(variants) + reps, desc="latency calibration", disable=not progress, file=sys.stderr,
+               dynamic_ncols=True, leave=False, postfix="compiling", bar_format=BAR_FORMAT)  # prefill, steps, rounds
     key = sampler(jax.random.PRNGKey(0), sampling)
     state, _ = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),
                        exe.new_drafter_cache(batch, cache_len), jnp.zeros((batch, prompt_bucket), jnp.int32),
@@ -148,14 +151,11 @@ def first_runs(steps: Sequence[Callable], state, call: Callable, done: Callable[
     return jax.block_until_ready(state)
 
 
-BAR_DELAY_S = 0.5  # a warm-up bar shows only once its warm-up has lasted this long (most requests: none)
-
-
 def progress_bar(engine: "Engine") -> tqdm:
     """The warm-up's bar on stderr (disabled unless `engine.progress`). Without it a CLI run sits
     silent for the seconds (CPU) its steps take to lower, compile or load, and run once."""
-    return tqdm(desc="warm-up", unit="step", disable=not engine.progress, file=sys.stderr, dynamic_ncols=True,
-                leave=False, postfix="lowering", delay=BAR_DELAY_S)
+    return tqdm(desc="warm-up", disable=not engine.progress, file=sys.stderr, dynamic_ncols=True, leave=False,
+                postfix="lowering", delay=BAR_DELAY_S, bar_format=BAR_FORMAT)
 
 
 @contextlib.contextmanager
