@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from bastion_jax.executables import Compiling, Executables
+from bastion_jax.compiling import Compiling
+from bastion_jax.executables import Executables
 from bastion_jax.sampling import SamplingConfig, sampler
 
 
