@@ -91,8 +91,7 @@ def calibrate(engine: "Engine", cache_len: int, sampling: SamplingConfig, contex
     exe = engine.executables
     prefill, variants = tree_variants(engine, batch, cache_len, prompt_bucket)
     variants.pop(FLUSH_VARIANT, None)
-    bar = tqdm(total=1 + len(variants) + reps, desc="latency calibration", disable=not progress, file=sys.stderr,
-               dynamic_ncols=True, leave=False, postfix="compiling", bar_format=BAR_FORMAT)  # prefill, steps, rounds
+    bar = _bar("latency calibration", progress, "compiling", total=1 + len(variants) + reps)  # prefill, steps, rounds
     key = sampler(jax.random.PRNGKey(0), sampling)
     state, _ = prefill(exe.target_params, exe.drafter_params, exe.new_cache(batch, cache_len),
                        exe.new_drafter_cache(batch, cache_len), jnp.zeros((batch, prompt_bucket), jnp.int32),
@@ -136,8 +135,9 @@ def first_runs(steps: Sequence[Callable], state, call: Callable, done: Callable[
     on: nothing to gain there, and each copy of the caches would cost device memory."""
     if jax.default_backend() != "cpu":
         for step in steps:
-            state = jax.block_until_ready(call(step, state)[0]) if done else call(step, state)[0]
-            if done:
+            state = call(step, state)[0]
+            if done:  # (counted once it has run)
+                jax.block_until_ready(state)
                 done()
         return jax.block_until_ready(state)
 
@@ -151,18 +151,19 @@ def first_runs(steps: Sequence[Callable], state, call: Callable, done: Callable[
     return jax.block_until_ready(state)
 
 
-def progress_bar(engine: "Engine") -> tqdm:
-    """The warm-up's bar on stderr (disabled unless `engine.progress`). Without it a CLI run sits
-    silent for the seconds (CPU) its steps take to lower, compile or load, and run once."""
-    return tqdm(desc="warm-up", disable=not engine.progress, file=sys.stderr, dynamic_ncols=True, leave=False,
-                postfix="lowering", delay=BAR_DELAY_S, bar_format=BAR_FORMAT)
+def _bar(desc: str, show: bool, phase: str, **kwargs) -> tqdm:
+    """A progress bar on stderr (disabled unless `show`), cleared when closed, `phase` after the counts."""
+    return tqdm(desc=desc, disable=not show, file=sys.stderr, dynamic_ncols=True, leave=False, postfix=phase,
+                bar_format=BAR_FORMAT, **kwargs)
 
 
 @contextlib.contextmanager
 def progress(engine: "Engine") -> Iterator[tqdm]:
-    """A request's preparation with its `progress_bar`: each step lowered counts
-    (`Executables.on_lower`), then `warm_up(..., bar)` counts the first runs."""
-    bar = progress_bar(engine)
+    """A request's preparation with its warm-up bar on stderr (disabled unless `engine.progress`):
+    each step lowered counts (`Executables.on_lower`), then `warm_up(..., bar)` counts the first
+    runs. Without it a CLI run sits silent for the seconds (CPU) its steps take to lower, compile or
+    load, and run once."""
+    bar = _bar("warm-up", engine.progress, "lowering", delay=BAR_DELAY_S)
     engine.executables.on_lower = bar.update
     try:
         yield bar
@@ -172,17 +173,15 @@ def progress(engine: "Engine") -> Iterator[tqdm]:
 
 
 def warm_up(engine: "Engine", kind: str, batch: int, bucket: int, cache_len: int, sampling: SamplingConfig,
-            prefill, steps: Sequence, bar: tqdm | None = None) -> None:
+            prefill, steps: Sequence, bar: tqdm) -> None:
     """Run once, on scratch buffers, the prefill and every step of a request of policy `kind` ("ar",
     "dflash" or a tree policy) that never ran (nothing when all did). Steps run with their rows
     inactive, at a context of 16 (272 after a prompt bucket over one prefill tile), so that the
-    attention's loops run, and their outputs are dropped. `bar` (`progress_bar`) counts the runs."""
+    attention's loops run, and their outputs are dropped. `bar` (`progress`'s) counts the runs."""
     steps = [f for f in steps if exe_id(f, sampling) not in engine.warm]
     if not steps and exe_id(prefill, sampling) in engine.warm:
         return
     exe = engine.executables
-    own = bar is None
-    bar = progress_bar(engine) if own else bar
     bar.set_postfix_str("first runs", refresh=False)
     bar.reset(total=1 + len(steps))  # the prefill, then every step: compiled (or loaded) and run once
     # A prompt over one prefill tile, where the bucket has two: the tiled prefill's loop over the key
@@ -218,6 +217,4 @@ def warm_up(engine: "Engine", kind: str, batch: int, bucket: int, cache_len: int
         bar.update()
         first_runs(steps, state, lambda f, s: f(exe.target_params, exe.drafter_params, s, inactive, params),
                    bar.update)
-    if own:
-        bar.close()
     engine.warm.update(exe_id(f, sampling) for f in (prefill, *steps))  # (the prefill ran too: it made the state)
