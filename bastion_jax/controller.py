@@ -98,7 +98,7 @@ def last_rows(active: np.ndarray, remaining: np.ndarray | None, block_size: int)
     """[batch] bool: the active rows that may be the batch's last row after the next step, i.e. fewer
     than `block_size` tokens ahead of the row with most tokens still to emit (`remaining` [batch]: a
     step commits at most a block per row, so a row further ahead cannot be last). A batch ends with its
-    last row, so bastion judges a step among these rows (`judged_rows`). Every active row when
+    last row, so bastion judges a step by these rows (`batch_curve`). Every active row when
     `remaining` is None or `block_size` is 0."""
     if remaining is None or not block_size or not active.any():
         return active
@@ -106,44 +106,12 @@ def last_rows(active: np.ndarray, remaining: np.ndarray | None, block_size: int)
     return active & (r > r.max() - block_size)
 
 
-# A batch's step is judged by the rows expected to end within this fraction of the latest one's end
-# (`judged_rows`), whose pace is an EMA of their trees' curves at this rate (`smoothed`).
-FINISH_SLACK = 0.2
-PACE_RATE = 0.2
-
-
-def smoothed(smooth: np.ndarray, curve: np.ndarray, rows: np.ndarray, rate: float = PACE_RATE) -> np.ndarray:
-    """[batch, n_buckets]: each of `rows`' smoothed curve `smooth` moved toward the curve of the tree
-    it just drafted (`curve`, same shape); the other rows' unchanged."""
-    return np.where(rows[:, None], (1.0 - rate) * smooth + rate * curve, smooth)
-
-
-def judged_rows(rows: np.ndarray, remaining: np.ndarray | None, smooth: np.ndarray,
-                slack: float = FINISH_SLACK) -> np.ndarray:
-    """[batch] bool: of `rows` (`last_rows`), those expected to end within `slack` of the latest, a
-    row's end being its remaining tokens over its pace, 1 + the mean of its smoothed curve `smooth`
-    [batch, n_buckets] (`smoothed`; `remaining` None: equal for every row).
-
-    Why not just the least of the rows' curves: a batch waits for its latest row, but that row's pace
-    is what its trees accept over many steps, while one tree's curve is a noisy reading of it. The
-    least of 4 like rows' curves read every step's unluckiest tree as the batch's pace and kept such
-    batches from drafting (replayed on the evaluation sets' acceptance tables at CPU batch-4 prices:
-    1.025x AR, the rows' mean 1.097x). The mean alone drafted for the predictable rows of a mixed
-    batch while a slower one set the step count (chat beside gsm8k: 0.951x, the least 0.980x). Judged
-    by the rows near the latest end, by their mean curve: 1.086x and 0.979x
-    (`docs/policies.md`, "Batches")."""
-    if not rows.any():
-        return rows
-    left = np.ones(len(rows)) if remaining is None else np.asarray(remaining, np.float64)
-    end = np.where(rows, left / (1.0 + smooth.mean(axis=1)), -np.inf)  # [batch] steps each row has left
-    return rows & (end >= (1.0 - slack) * end.max())
-
-
 def batch_curve(curve: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """[n_buckets]: the accepted drafts a step of each bucket is worth to a batch, from the rows'
-    surrogate curves `curve` [batch, n_buckets]: the mean over `rows`, the rows the step is judged by
-    (`judged_rows`). One row: its own curve."""
-    return (curve[rows] if rows.any() else curve).mean(axis=0)
+    surrogate curves `curve` [batch, n_buckets]: the least among `rows` (`last_rows`), since the batch
+    waits for whichever of them ends last; a mean let a batch draft for its predictable rows while its
+    hard ones set the number of steps. One row: its own curve."""
+    return (curve[rows] if rows.any() else curve).min(axis=0)
 
 
 class Controller:
@@ -168,9 +136,9 @@ class Controller:
     def choose(self, curve: np.ndarray, context: int, active: np.ndarray, path_probs: np.ndarray | None = None,
                record: bool = True) -> int:
         """curve: [batch, n_buckets] surrogate A(b) per row; context: longest committed length; active:
-        the rows that count (bastion: the rows the batch is judged by, `judged_rows`); path_probs:
+        the rows that count (bastion: the rows that may end the batch, `last_rows`); path_probs:
         [batch, n_nodes] per-node path probabilities (bastion-paper only). bastion maximises
-        (`batch_curve` + 1) / T(b): the tokens per second of the rows the batch waits for."""
+        (`batch_curve` + 1) / T(b): the tokens per second of the row the batch waits for."""
         if self.policy.kind == "fixed":
             b = self.policy.size
         elif self.policy.kind == "bastion-paper":

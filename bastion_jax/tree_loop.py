@@ -14,14 +14,11 @@ variable number of tokens and is chosen on the chain just read, so nothing goes 
 
 A batch. The engine's rows share every step and a request ends with its last row, so the gate and
 the controller judge a tree by the rows that may be last after the step (fewer than a block ahead of
-the one with most tokens still to emit, `controller.last_rows`) and, of those, the ones expected to
-end near the latest, by their pace (an EMA of each row's tree curves: `controller.judged_rows`), by
-the mean of their surrogate curves (`controller.batch_curve`). The rows' mean alone let a batch of
-mixed prompts draft for its predictable rows while its hard ones, a token per step, set the number
-of steps (8 prompts, chat and gsm8k, CPU: 0.79-0.88x AR); the least of the rows' curves read each
-step's unluckiest tree as the batch's pace and kept batches of like prompts from drafting. rho stays
-the drafter's calibration: the rows' mean realised over their mean surrogate, at any batch size. One
-row: its own numbers, as before.
+the one with most tokens still to emit, `controller.last_rows`): by the least of their surrogate
+curves (`controller.batch_curve`), not the rows' mean. With the mean a batch of mixed prompts drafted
+for its predictable rows while its hard ones, a token per step, set the number of steps (8 prompts,
+chat and gsm8k, CPU: 0.79-0.88x AR). rho stays the drafter's calibration: the rows' mean realised
+over their mean surrogate, at any batch size. One row: its own numbers, as before.
 
 Lookahead. The next step goes out before the host's bookkeeping, the engine's emission and the
 caller's streaming, so the device is busy while they run. Where it is known before this step is
@@ -50,7 +47,7 @@ from typing import Any, Callable, Collection, NamedTuple
 import jax
 import numpy as np
 
-from bastion_jax.controller import Controller, batch_curve, judged_rows, last_rows, smoothed
+from bastion_jax.controller import Controller, batch_curve, last_rows
 from bastion_jax.draft_gate import DraftGate
 from bastion_jax.latency import AR, AR_DRAFT, LatencyModel, held
 from bastion_jax.tree_decoding import DRAFT, HOLD
@@ -105,7 +102,6 @@ class TreeLoop:
         self.curve = np.asarray(curve)  # [batch, n_buckets]
         self.remaining: np.ndarray | None = None  # [batch] tokens each row may still emit (`step`)
         self.block_size = block_size  # the most tokens a step commits per row (`last_rows`; 0: every row counts)
-        self.pace = self.curve.astype(np.float64)  # [batch, n_buckets] each row's smoothed tree curve (`judged_rows`)
         if gate is not None:
             gate.observe_tree(batch_curve(self.curve, np.ones(len(self.curve), bool)))
         self.holding = False  # the last step did not draft: no tree in hand, the next step is a root step
@@ -114,10 +110,6 @@ class TreeLoop:
         self.queued: Dispatched | None = None  # a step dispatched ahead
         self.log_probs: np.ndarray | None = None  # bastion-paper: the last read tree's log path probabilities
         self.back_at = 0.0  # when the host last came back to the loop (its reads are timed from there)
-
-    def _judged(self, active: np.ndarray) -> np.ndarray:
-        """[batch] bool: the rows a batch's next step is judged by (`controller.judged_rows`)."""
-        return judged_rows(last_rows(active, self.remaining, self.block_size), self.remaining, self.pace)
 
     def _dispatch_root(self, then: int, state, active_dev, key, early: bool = False) -> tuple[Any, Dispatched]:
         ts = time.perf_counter()
@@ -153,9 +145,9 @@ class TreeLoop:
         if self.holding:
             return self._dispatch_holding(context, state, active_dev, key, ahead=False)
         a = self.curve
-        judged = self._judged(active)
-        if gate is not None and (not gate.use_tree(context, batch_curve(a, judged))
-                                 or ctl.choose(a * gate.rho, context, judged, record=False) == 1):
+        last = last_rows(active, self.remaining, self.block_size)
+        if gate is not None and (not gate.use_tree(context, batch_curve(a, last))
+                                 or ctl.choose(a * gate.rho, context, last, record=False) == 1):
             # A plain AR step on the root (the tree in hand is dropped: drafting does not pay, or the
             # best bucket is the root alone, which a root step verifies without drafting).
             return self._dispatch_root(gate.root_then(context, self.hint), state, active_dev, key)
@@ -163,7 +155,7 @@ class TreeLoop:
         if self.kind == "bastion-paper":  # the drafted tree's path probabilities, read with the step's outputs
             lp = self.log_probs if self.log_probs is not None else np.asarray(state.tree.log_probs)  # (prefill's)
             probs, self.log_probs = np.exp(lp), None
-        b = ctl.choose(a * (gate.rho if gate else 1.0), context, judged if self.kind == "bastion" else active, probs,
+        b = ctl.choose(a * (gate.rho if gate else 1.0), context, last if self.kind == "bastion" else active, probs,
                        record=False)
         return self._dispatch_tree(b, state, active_dev, key)
 
@@ -235,15 +227,13 @@ class TreeLoop:
                 gate.record(then, int(counts[active].max()))
         # The next step is judged with this one's tokens counted (the read's curves are for then).
         self.remaining = None if remaining is None else np.maximum(remaining - counts, 0)
-        if then == DRAFT:  # a drafted tree: its rows' pace moves toward it
-            self.pace = smoothed(self.pace, new_curve, active)
-        judged = self._judged(active)
+        last = last_rows(active, self.remaining, self.block_size)
         if gate is not None and then == DRAFT:
-            gate.observe_tree(batch_curve(new_curve, judged))
+            gate.observe_tree(batch_curve(new_curve, last))
         self.holding = then != DRAFT
         self.curve = new_curve
         holds = self.holding and active.any()
-        self.hint = batch_curve(new_curve, judged) if holds else None
+        self.hint = batch_curve(new_curve, last) if holds else None
         self.hint_mean = new_curve[active].mean(axis=0) if holds else None
         # After the read: the next step, chosen now on what it showed, goes out before the host emits.
         if self.queued is None and tree_ahead and active.any() and not self._stopped(toks, counts, active):

@@ -145,3 +145,39 @@ def test_save_tables_to_a_missing_directory_is_one_clear_error(tmp_path, capsys)
     assert gh.main(["--save-tables", str(tmp_path / "missing" / "t.npz"), "--quiet"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--save-tables" in err[0] and "no such directory" in err[0]
+
+
+def test_batch_replay_of_one_row_is_the_single_row_replay_and_brute_forces_the_rules():
+    """`benchmarks.batch_replay`: a batch of one row is `replay_gate`'s replay under every rule (the
+    rules differ only in which rows judge a step); fixed:b over a batch, stepped by hand, ends with
+    its slowest row; and the rules see what they claim on a batch whose rows differ in pace."""
+    from types import SimpleNamespace
+
+    from benchmarks import batch_replay as br
+
+    prices = br.ConstPrices(1.0, 1.25, {4: 1.45, 8: 1.65})
+    engine = SimpleNamespace(buckets=BUCKETS, block_size=16)
+    rng = np.random.default_rng(3)
+    rows = []
+    for _ in range(4):
+        n = int(rng.integers(8, 40))
+        acc = np.sort(rng.integers(0, 5, size=(n, len(BUCKETS))), axis=1)
+        acc[:, 0] = 0
+        sur = np.sort(rng.uniform(0, 4, size=(n, len(BUCKETS))), axis=1)
+        sur[:, 0] = 0
+        rows.append((acc, sur))
+        for rule in br.RULES:
+            assert br.replay_batch([(acc, sur)], BUCKETS, prices, rule, 96) == pytest.approx(
+                gh.replay_gate(acc, sur, prices, engine)[0])
+    t, secs = np.zeros(4, int), 0.0
+    while any(t[r] < len(rows[r][0]) for r in range(4)):
+        secs += 1.65
+        t = [p + min(int(a[p, 2]) + 1, len(a) - p) if p < len(a) else p for (a, _), p in zip(rows, t)]
+    assert br.replay_fixed(rows, BUCKETS, prices, 8) == pytest.approx(secs)
+    curves = np.array([[0.0, 3.0, 5.0], [0.0, 0.2, 0.3], [0.0, 2.0, 9.0]])
+    every, left = np.ones(3, bool), np.array([40, 40, 40])
+    np.testing.assert_allclose(br.rows_judged("least", curves, every, left, curves), [0.0, 0.2, 0.3])
+    np.testing.assert_allclose(br.rows_judged("mean", curves, every, left, curves), curves.mean(axis=0))
+    np.testing.assert_allclose(br.rows_judged("judged", curves, every, left, curves), curves[1])  # the slow row
+    like = np.array([[0.0, 1.0, 2.0], [0.0, 1.2, 2.2], [0.0, 0.9, 1.8]])
+    np.testing.assert_allclose(br.rows_judged("judged", curves, every, left, like), curves.mean(axis=0))
