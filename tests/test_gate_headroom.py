@@ -22,6 +22,16 @@ class UnitPrices:
         return self.root(True, t) if BUCKETS[i] == 1 else 1.25 + 0.05 * BUCKETS[i]
 
 
+def random_table(rng, n: int, most_accepted: int = 4, most_surrogate: float = 3.0):
+    """(accepted [n, n_buckets], surrogate [n, n_buckets]) of a made-up answer: nested trees (more
+    nodes, no fewer accepted, a larger surrogate), nothing at bucket 1 (the root alone)."""
+    acc = np.sort(rng.integers(0, most_accepted, size=(n, len(BUCKETS))), axis=1)
+    acc[:, 0] = 0
+    sur = np.sort(rng.uniform(0, most_surrogate, size=(n, len(BUCKETS))), axis=1)
+    sur[:, 0] = 0
+    return acc, sur
+
+
 def brute_oracle(acc, prices, t=0, tree=True):
     """Every sequence of choices, recursively (tiny answers only)."""
     n = len(acc)
@@ -120,11 +130,7 @@ def test_saved_tables_replay_as_the_live_ones(tmp_path):
     rng = np.random.default_rng(1)
     records, live = {}, {}
     for k in range(3):
-        n = int(rng.integers(5, 30))
-        acc = np.sort(rng.integers(0, 4, size=(n, len(BUCKETS))), axis=1)
-        acc[:, 0] = 0
-        sur = np.sort(rng.uniform(0, 3, size=(n, len(BUCKETS))), axis=1)
-        sur[:, 0] = 0
+        acc, sur = random_table(rng, int(rng.integers(5, 30)))
         prices = gh.Prices(ToyLatency(), BUCKETS, prompt_len=10 + 7 * k)
         records[f"toy/{k}"], live[f"toy/{k}"] = gh.table_record(acc, sur, prices), (acc, sur, prices)
     path = tmp_path / "tables.npz"
@@ -160,11 +166,7 @@ def test_batch_replay_of_one_row_is_the_single_row_replay_and_brute_forces_the_r
     rng = np.random.default_rng(3)
     rows = []
     for _ in range(4):
-        n = int(rng.integers(8, 40))
-        acc = np.sort(rng.integers(0, 5, size=(n, len(BUCKETS))), axis=1)
-        acc[:, 0] = 0
-        sur = np.sort(rng.uniform(0, 4, size=(n, len(BUCKETS))), axis=1)
-        sur[:, 0] = 0
+        acc, sur = random_table(rng, int(rng.integers(8, 40)), 5, 4.0)
         rows.append((acc, sur))
         for rule in br.RULES:
             assert br.replay_batch([(acc, sur)], BUCKETS, prices, rule, 96) == pytest.approx(
