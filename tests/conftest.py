@@ -6,36 +6,21 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # Most of the suite's time is XLA compiling the same steps again (in both xdist workers, in the CLI
 # subprocesses, in the next run): JAX's persistent compilation cache keeps each executable once, keyed
-# by its HLO and compile options, so a hit is the very executable a compile would give.
+# by its HLO and compile options, so a hit is the very executable a compile would give. Capped at 4 GiB.
 # Every compile is kept, however short: the tiny models' steps compile in 0.01-0.2 s each, but an engine
 # compiles its own (`Executables.compiled` bypasses jit's in-memory cache), so a file builds the same
 # programs again and again (test_cond_head.py: 642 such compiles, 18.6 s; kept, the file's warm run
-# 107 -> 93 s, each entry ~8 KB). No size limit for JAX to keep: with one, every write lists the whole
-# directory and reads each entry's access time (a cold suite writes ~6,800 entries, so its writes
-# grew quadratic: 25 minutes for 75% of the suite, half of it system time). The directory is emptied
-# instead when a run starts with more than CACHE_LIMIT in it (`pytest_configure`).
-CACHE_DIR = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    tempfile.gettempdir(), f"bastion_jax-tests-xla-cache-{os.getuid()}"))
-CACHE_LIMIT = 4 << 30
+# 107 -> 93 s, each entry ~8 KB).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"bastion_jax-tests-xla-cache-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 # On CPU a target's layer weights take the layout this machine multiplies faster, measured once
 # (`checkpoints.layout_probe`). The suite pins one so that every worker and CLI subprocess lays models
 # out alike without measuring; tests that load both layouts name them, and test_layout_probe unpins it.
 os.environ.setdefault("BASTION_WEIGHTS_LAYOUT", "in-out")
 
 import pytest  # noqa: E402
-
-
-def pytest_configure(config):
-    """Empty the suite's compilation cache when it holds more than CACHE_LIMIT (once per run: in the
-    xdist controller, before any worker compiles)."""
-    import shutil
-
-    if hasattr(config, "workerinput") or not CACHE_DIR or not os.path.isdir(CACHE_DIR):
-        return
-    if sum(e.stat().st_size for e in os.scandir(CACHE_DIR) if e.is_file()) > CACHE_LIMIT:
-        shutil.rmtree(CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture
