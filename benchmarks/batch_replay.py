@@ -87,7 +87,7 @@ def judged_rows(rows: np.ndarray, remaining: np.ndarray, pace: np.ndarray, slack
     return rows & (end >= (1.0 - slack) * end.max())
 
 
-def rows_judged(rule: str, curves: np.ndarray, last: np.ndarray, remaining: np.ndarray, pace: np.ndarray):
+def rule_curve(rule: str, curves: np.ndarray, last: np.ndarray, remaining: np.ndarray, pace: np.ndarray):
     """[n_buckets]: what a step of each bucket is worth to the batch under `rule` (`last`: the rows
     that may be last after the step)."""
     from bastion_jax.controller import batch_curve
@@ -100,19 +100,26 @@ def rows_judged(rule: str, curves: np.ndarray, last: np.ndarray, remaining: np.n
     return curves[judged_rows(rows, remaining, pace)].mean(axis=0)
 
 
+def advance(tables, t: np.ndarray, i: int) -> np.ndarray:
+    """[batch] tokens each row commits in a step of bucket index `i` from positions `t` (its accepted
+    drafts + 1, up to its answer's end; 0 for a row that has ended)."""
+    n = np.array([len(a) for a, _ in tables])
+    step = [int(a[min(p, len(a) - 1), i]) + 1 for (a, _), p in zip(tables, t)]
+    return np.where(t < n, np.minimum(step, n - t), 0)
+
+
 def replay_batch(tables: list[tuple[np.ndarray, np.ndarray]], buckets: tuple[int, ...], prices: ConstPrices,
                  rule: str, max_new_tokens: int, block_size: int = 16) -> float:
     """Seconds of bastion over one batch of rows (`tables`: each row's (accepted [T, n_buckets],
     surrogate [T, n_buckets])), its steps as `TreeLoop` chooses them with the batch judged by `rule`."""
-    from bastion_jax.controller import last_rows
+    from bastion_jax.controller import Controller, Policy, last_rows
     from bastion_jax.draft_gate import DraftGate
     from bastion_jax.tree_decoding import DRAFT, HOLD, pending_slots
 
-    acc = [a for a, _ in tables]
     sur = [s for _, s in tables]
-    n = np.array([len(a) for a in acc])
+    n = np.array([len(a) for a, _ in tables])
     gate = DraftGate(buckets, prices.step_time, pending_slots(block_size), block_size)
-    cost = np.array([prices.predict(b, 0) for b in buckets])
+    ctl, one = Controller(Policy("bastion"), buckets, prices), np.ones(1, bool)
     t = np.zeros(len(tables), int)
 
     def curves() -> np.ndarray:
@@ -120,7 +127,14 @@ def replay_batch(tables: list[tuple[np.ndarray, np.ndarray]], buckets: tuple[int
 
     def judged_curve(active: np.ndarray) -> np.ndarray:
         left = max_new_tokens - t
-        return rows_judged(rule, cur, last_rows(active, left, block_size), left, pace)
+        return rule_curve(rule, cur, last_rows(active, left, block_size), left, pace)
+
+    def drafted() -> None:  # a step drafted fresh trees at the new positions: pace and gate learn them
+        nonlocal cur, pace
+        if (t < n).any():
+            cur = curves()
+            pace = smoothed(pace, cur, t < n)
+            gate.observe_tree(judged_curve(t < n))
 
     cur = curves()
     pace = cur.astype(np.float64)
@@ -129,29 +143,24 @@ def replay_batch(tables: list[tuple[np.ndarray, np.ndarray]], buckets: tuple[int
     while (t < n).any():
         active = t < n
         if not holding:
-            a = judged_curve(active)
-            b = buckets[int(np.argmax((a * gate.rho + 1.0) / cost))] if gate.use_tree(0, a) else 1
+            a = judged_curve(active)  # the batch's curve, chosen on as the controller chooses on one row's
+            b = ctl.choose(a[None] * gate.rho, 0, one, record=False) if gate.use_tree(0, a) else 1
             if b != 1:
                 i = buckets.index(b)
                 secs += prices.step_time(b, 0, True)
-                adv = np.where(active, np.minimum([x[min(p, len(x) - 1), i] + 1 for x, p in zip(acc, t)], n - t), 0)
+                adv = advance(tables, t, i)
                 gate.observe_verify(b, float(cur[active, i].mean()), float(adv[active].mean() - 1))
                 gate.record(DRAFT, int(adv.max()))
                 t = t + adv
-                if (t < n).any():
-                    cur = curves()
-                    pace = smoothed(pace, cur, t < n)
-                    gate.observe_tree(judged_curve(t < n))
+                drafted()
                 continue
         then = gate.root_then(0, None)
         secs += prices.step_time(0, 0, then != HOLD)
         gate.record(then, 1)
         t = t + active
         holding = then != DRAFT
-        if not holding and (t < n).any():
-            cur = curves()
-            pace = smoothed(pace, cur, t < n)
-            gate.observe_tree(judged_curve(t < n))
+        if not holding:
+            drafted()
     return secs
 
 
@@ -162,7 +171,7 @@ def replay_fixed(tables, buckets: tuple[int, ...], prices: ConstPrices, b: int) 
     n = np.array([len(a) for a, _ in tables])
     while (t < n).any():
         secs += prices.step_time(b, 0, True)
-        t = t + np.where(t < n, np.minimum([a[min(p, len(a) - 1), i] + 1 for (a, _), p in zip(tables, t)], n - t), 0)
+        t = t + advance(tables, t, i)
     return secs
 
 
@@ -200,14 +209,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bastion_jax.cli import fail
+
     args = build_parser().parse_args(argv)
-    buckets, tables = load_tables(args.tables)
-    ms = [float(x) for x in args.prices.split(",")]
-    trees = [b for b in buckets if b > 1]
-    if len(ms) != 2 + len(trees) or args.batch < 1:
-        print(f"error: --prices needs {2 + len(trees)} values (AR, AR+draft, buckets {trees}), and --batch >= 1",
-              file=sys.stderr)
-        return 2
+    try:
+        if args.batch < 1:
+            raise ValueError(f"--batch must be >= 1, got {args.batch}")
+        try:
+            buckets, tables = load_tables(args.tables)
+        except (OSError, KeyError, ValueError) as e:
+            raise ValueError(f"cannot read tables {args.tables} (a `gate_headroom --save-tables` .npz): {e}") from None
+        trees = [b for b in buckets if b > 1]
+        try:
+            ms = [float(x) for x in args.prices.split(",")]
+        except ValueError:
+            raise ValueError(f"--prices {args.prices!r}: expected comma-separated milliseconds") from None
+        if len(ms) != 2 + len(trees):
+            raise ValueError(f"--prices needs {2 + len(trees)} values (AR, AR+draft, buckets {trees}), got {len(ms)}")
+    except ValueError as e:
+        return fail(e)
     prices = ConstPrices(ms[0] / 1e3, ms[1] / 1e3, {b: v / 1e3 for b, v in zip(trees, ms[2:])})
     fixed = [int(x) for x in args.fixed.split(",") if x.strip() and int(x) in trees]
     policies = list(RULES) + [f"fixed:{b}" for b in fixed]

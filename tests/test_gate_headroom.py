@@ -168,7 +168,10 @@ def test_batch_replay_of_one_row_is_the_single_row_replay_and_brute_forces_the_r
     for _ in range(4):
         acc, sur = random_table(rng, int(rng.integers(8, 40)), 5, 4.0)
         rows.append((acc, sur))
+        hard = acc.copy(), sur * (np.arange(len(sur)) % 24 >= 12)[:, None]  # stretches where trees never pay
         for rule in br.RULES:
+            assert br.replay_batch([hard], BUCKETS, prices, rule, 96) == pytest.approx(
+                gh.replay_gate(*hard, prices, engine)[0])
             assert br.replay_batch([(acc, sur)], BUCKETS, prices, rule, 96) == pytest.approx(
                 gh.replay_gate(acc, sur, prices, engine)[0])
     t, secs = np.zeros(4, int), 0.0
@@ -178,8 +181,24 @@ def test_batch_replay_of_one_row_is_the_single_row_replay_and_brute_forces_the_r
     assert br.replay_fixed(rows, BUCKETS, prices, 8) == pytest.approx(secs)
     curves = np.array([[0.0, 3.0, 5.0], [0.0, 0.2, 0.3], [0.0, 2.0, 9.0]])
     every, left = np.ones(3, bool), np.array([40, 40, 40])
-    np.testing.assert_allclose(br.rows_judged("least", curves, every, left, curves), [0.0, 0.2, 0.3])
-    np.testing.assert_allclose(br.rows_judged("mean", curves, every, left, curves), curves.mean(axis=0))
-    np.testing.assert_allclose(br.rows_judged("judged", curves, every, left, curves), curves[1])  # the slow row
+    np.testing.assert_allclose(br.rule_curve("least", curves, every, left, curves), [0.0, 0.2, 0.3])
+    np.testing.assert_allclose(br.rule_curve("mean", curves, every, left, curves), curves.mean(axis=0))
+    np.testing.assert_allclose(br.rule_curve("judged", curves, every, left, curves), curves[1])  # the slow row
     like = np.array([[0.0, 1.0, 2.0], [0.0, 1.2, 2.2], [0.0, 0.9, 1.8]])
-    np.testing.assert_allclose(br.rows_judged("judged", curves, every, left, like), curves.mean(axis=0))
+    np.testing.assert_allclose(br.rule_curve("judged", curves, every, left, like), curves.mean(axis=0))
+
+
+@pytest.mark.parametrize("args, says", [(["missing.npz", "--prices", "1,2"], "cannot read tables"),
+                                        (["tables.npz", "--prices", "1,x,3,4"], "--prices"),
+                                        (["tables.npz", "--prices", "1,2"], "needs 4 values"),
+                                        (["tables.npz", "--prices", "1,2,3,4", "--batch", "0"], "--batch")])
+def test_batch_replay_bad_input_is_one_clear_line(tmp_path, monkeypatch, capsys, args, says):
+    from benchmarks import batch_replay as br
+
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    acc, sur = random_table(rng, 6)
+    gh.save_tables("tables.npz", BUCKETS, {"toy/0": gh.table_record(acc, sur, gh.Prices(ToyLatency(), BUCKETS, prompt_len=10))})
+    assert br.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and says in err[0], err
