@@ -3,10 +3,11 @@
     python -m benchmarks.torch_originals --originals DIR --python VENV/bin/python \
         --prompts mt_bench gsm8k_test humaneval --max-prompts 4 --name cpu-smollm2-vs-torch
 
-`--originals`: a checkout of z-lab/dflash (or of kaist-ai-osi-lab/BASTION, which carries the same
-`dflash/model.py`); its `dflash_generate` runs AR (block size 1) and the DFlash chain on the
-transformers model of the embedded default target (its GGUF, dequantised by transformers) with the
-shipped drafter, read as the z-lab checkpoint it is. `--python`: the interpreter of an environment
+`--originals`: a checkout of z-lab/dflash, or of kaist-ai-osi-lab/BASTION, which carries the same
+`dflash/model.py` and adds `torch:bastion`, the official `bastion_generate` calibrated on this CPU as
+its own benchmark calibrates on a GPU (`benchmarks/torch_side.py`). `dflash_generate` runs AR (block
+size 1) and the DFlash chain on the transformers model of the embedded default target (its GGUF,
+dequantised by transformers) with the shipped drafter, read as the z-lab checkpoint it is. `--python`: the interpreter of an environment
 holding torch and transformers 4.57 (the originals' pin; transformers 5 changed the KV cache's
 `crop`), since ours installs transformers 5 for its tests:
 
@@ -40,7 +41,6 @@ from benchmarks.report import commit, write_results
 RESULTS = Path(__file__).resolve().parent / "results"
 TORCH_SIDE = Path(__file__).resolve().parent / "torch_side.py"
 OURS = ("ar", "dflash", "bastion")
-THEIRS = ("torch:ar", "torch:dflash")
 
 
 def parse(argv):
@@ -56,6 +56,8 @@ def parse(argv):
     p.add_argument("--reps", type=positive_int, default=2, help="runs per mode and prompt (the median is kept)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both sides compute in it")
     p.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch's CPU threads")
+    p.add_argument("--max-tree", type=positive_int, default=256,
+                   help="the official BASTION's largest tree (its calibration grid's longest verify)")
     p.add_argument("--out-dir", default=str(RESULTS))
     p.add_argument("--name", default=None, help="results file stem (default cpu-smollm2-vs-torch-<dtype>-<date>)")
     return p.parse_args(argv)
@@ -70,6 +72,10 @@ def main(argv=None) -> int:
                    for f in [resolve_prompt_file(spec)] for text in read_prompts(f, args.max_prompts)]
     except PromptError as e:
         return fail(e)
+    check = subprocess.run([args.python, str(TORCH_SIDE), "--check", str(Path(args.originals).resolve())],
+                           capture_output=True, text=True)
+    if check.returncode:
+        return fail(ValueError(last_line(check.stderr)))
     use_compilation_cache()
     try:
         return measure(args, prompts)
@@ -82,13 +88,24 @@ def theirs(args, job: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_file.write_text(json.dumps(job))
-        done = subprocess.run([args.python, str(TORCH_SIDE), str(job_file), str(out_file)],
-                              stderr=subprocess.PIPE, text=True)
-        if done.returncode:
-            errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-            raise ValueError(errors[-1][len("error: "):] if errors else
-                             f"the originals' run failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        # Its progress is passed on as it comes; its `error:` line (or a traceback's last line) becomes ours.
+        with subprocess.Popen([args.python, str(TORCH_SIDE), str(job_file), str(out_file)], stderr=subprocess.PIPE,
+                              text=True) as child:
+            seen = []
+            for line in child.stderr:
+                seen.append(line)
+                if not line.startswith("error:"):
+                    print(line, end="", file=sys.stderr, flush=True)
+        if child.returncode:
+            raise ValueError(last_line("".join(seen)))
         return json.loads(out_file.read_text())
+
+
+def last_line(stderr: str) -> str:
+    """What the originals' side said last (its `error:` line, or a traceback's last line), as our reason."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()] or ["?"]
+    last = lines[-1]
+    return last[len("error: "):] if last.startswith("error: ") else f"the originals' run failed: {last}"
 
 
 def measure(args, prompts: list[tuple[str, str]]) -> int:
@@ -106,7 +123,8 @@ def measure(args, prompts: list[tuple[str, str]]) -> int:
     stops = sorted(stop_ids(tok, target.config.eos_token_ids))
     job = {"originals": str(Path(args.originals).resolve()), "gguf": str(default_gguf()),
            "drafter": str(default_drafter_dir()), "prompts": ids, "stop_ids": stops,
-           "max_new_tokens": args.max_new_tokens, "reps": args.reps, "dtype": args.dtype, "threads": args.threads}
+           "max_new_tokens": args.max_new_tokens, "reps": args.reps, "dtype": args.dtype, "threads": args.threads,
+           "max_tree": args.max_tree}
     print(f"the originals ({args.python}) on {len(ids)} prompts ...", file=sys.stderr, flush=True)
     torch_run = theirs(args, job)
 
@@ -137,7 +155,8 @@ def measure(args, prompts: list[tuple[str, str]]) -> int:
                        "max_new_tokens": args.max_new_tokens, "reps": args.reps, "prompts": len(ids),
                        "sets": list(dict.fromkeys(s for s, _ in prompts)), "jax": jax.__version__,
                        "torch": torch_run["torch"], "transformers": torch_run["transformers"],
-                       "torch_threads": torch_run["threads"], "originals": describe(args.originals)},
+                       "torch_threads": torch_run["threads"], "originals": describe(args.originals),
+                       "official_bastion": torch_run["official_bastion"]},
               "summary": summarise(rows), "rows": rows}
     name = args.name or f"cpu-smollm2-vs-torch-{args.dtype}-{record['meta']['date']}"
     write_results(args.out_dir, name, record, markdown(record))
@@ -163,7 +182,7 @@ def summarise(rows: list[dict]) -> dict:
     for src in ["all", *dict.fromkeys(r["source"] for r in rows)]:
         mine = [r for r in rows if src in ("all", r["source"])]
         cells = {}
-        for mode in (*THEIRS, *OURS):
+        for mode in dict.fromkeys(r["mode"] for r in rows):  # the originals' modes first, then ours
             m = [r for r in mine if r["mode"] == mode]
             tokens, seconds = sum(len(r["tokens"]) for r in m), sum(r["seconds"] for r in m)
             cells[mode] = {"tokens_per_s": tokens / seconds, "tau": sum(r["committed"] for r in m) / sum(r["steps"] for r in m),
@@ -184,9 +203,12 @@ def markdown(record: dict) -> str:
              f"shipped drafter as its z-lab checkpoint), {meta['prompts']} prompts ({', '.join(meta['sets'])}), "
              f"{meta['max_new_tokens']} new tokens, T=0, median of {meta['reps']} runs per prompt, wall clock "
              "around each whole call (prefill included).", "",
-             "`torch:ar` / `torch:dflash`: z-lab's `dflash_generate` at block size 1 / the drafter's. `dflash`: ours "
-             "with the originals' drafter law (no conditioned head, full vocabulary, no lookup). `bastion`: ours "
-             "as `generate` runs it.", "",
+             "`torch:ar` / `torch:dflash`: z-lab's `dflash_generate` at block size 1 / the drafter's"
+             + ("; `torch:bastion`: the official `bastion_generate`, calibrated on this CPU as its benchmark does "
+                f"(trees of up to {meta['official_bastion']['max_tree_size']} nodes)" if meta.get("official_bastion")
+                else "") + ". `dflash`: ours with the originals' drafter law (no conditioned head, full vocabulary, "
+             "no lookup). `bastion`: ours as `generate` runs it. tau: tokens committed per step (the originals "
+             "count a last step's tokens past the budget too).", "",
              "| mode | tokens/s | tau | x torch:ar | x our ar | same text as torch:ar |", "|---|---|---|---|---|---|"]
     for mode, c in summary["all"].items():
         lines.append(f"| {mode} | {c['tokens_per_s']:.1f} | {c['tau']:.2f} | {c['ratio_to_torch_ar']:.2f} | "
