@@ -27,7 +27,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,8 @@ OURS = ("ar", "dflash", "bastion")
 def parse(argv):
     p = Parser(prog="python -m benchmarks.torch_originals",
                description="bastion_jax against z-lab's PyTorch DFlash code on the embedded default pair")
-    p.add_argument("--originals", required=True, help="a checkout of z-lab/dflash (its dflash/model.py)")
+    p.add_argument("--originals", help="a checkout of z-lab/dflash (its dflash/model.py) or of BASTION")
+    p.add_argument("--report", metavar="JSON", help="only rewrite a saved run's summary and markdown (beside it)")
     p.add_argument("--python", default=sys.executable,
                    help="interpreter with torch + transformers 4.57 for the originals (default: this one)")
     p.add_argument("--prompts", nargs="+", default=["mt_bench", "gsm8k_test", "humaneval"],
@@ -65,6 +65,10 @@ def parse(argv):
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.report:
+        return report(Path(args.report))
+    if args.originals is None:
+        return fail(ValueError("--originals is required (a checkout of z-lab/dflash or of BASTION)"))
     if not (Path(args.originals) / "dflash" / "model.py").is_file():
         return fail(f"--originals {args.originals}: no dflash/model.py there (a checkout of z-lab/dflash)")
     try:
@@ -114,6 +118,7 @@ def measure(args, prompts: list[tuple[str, str]]) -> int:
 
     from bastion_jax import Engine, encode_prompt, load_drafter, load_target, load_tokenizer
     from bastion_jax.default_model import default_drafter_dir, default_gguf, default_target_dir
+    from bastion_jax.hardware import cpu_name
     from bastion_jax.text import stop_ids
 
     dtype = jnp.dtype(args.dtype)
@@ -150,7 +155,7 @@ def measure(args, prompts: list[tuple[str, str]]) -> int:
                          "seconds": seconds, "ttft_s": res.stats.ttft_s, "steps": res.stats.row_steps,
                          "committed": res.stats.committed})
             print(f"ours prompt {i} {mode}: {len(res.tokens[0]) / seconds:.1f} tok/s", file=sys.stderr, flush=True)
-    record = {"meta": {"device": jax.devices()[0].device_kind, "cpu": platform.processor() or platform.machine(),
+    record = {"meta": {"device": jax.devices()[0].device_kind, "cpu": cpu_name(),
                        "date": datetime.date.today().isoformat(), "commit": commit(), "dtype": args.dtype,
                        "max_new_tokens": args.max_new_tokens, "reps": args.reps, "prompts": len(ids),
                        "sets": list(dict.fromkeys(s for s, _ in prompts)), "jax": jax.__version__,
@@ -160,6 +165,17 @@ def measure(args, prompts: list[tuple[str, str]]) -> int:
               "summary": summarise(rows), "rows": rows}
     name = args.name or f"cpu-smollm2-vs-torch-{args.dtype}-{record['meta']['date']}"
     write_results(args.out_dir, name, record, markdown(record))
+    return 0
+
+
+def report(path: Path) -> int:
+    """Summary and markdown of a saved run made again from its rows (a report that changed since)."""
+    try:
+        record = json.loads(path.read_text())
+        record["summary"] = summarise(record["rows"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return fail(ValueError(f"--report {path}: not a torch_originals run ({e})"))
+    write_results(path.parent, path.stem, record, markdown(record))
     return 0
 
 
@@ -175,9 +191,10 @@ def describe(path: str) -> str:
 
 def summarise(rows: list[dict]) -> dict:
     """Per set and overall ("all"), per mode: tokens/s (tokens over seconds, pooled), tau (committed
-    per step), the ratios to the originals' AR and to ours, and how many answers equal the originals'
-    AR text (a greedy text: every mode must give it, up to the two libraries' float rounding)."""
-    ref = {r["prompt"]: r["tokens"] for r in rows if r["mode"] == "torch:ar"}
+    per step), the ratios to the originals' AR and to ours, how many answers equal their own side's AR
+    text (greedy decoding's: a lossless mode must give it) and how many equal the originals' AR text
+    (the two libraries agree in float32; in bfloat16 their roundings differ)."""
+    ar = {side: {r["prompt"]: r["tokens"] for r in rows if r["mode"] == side} for side in ("torch:ar", "ar")}
     out: dict[str, dict] = {}
     for src in ["all", *dict.fromkeys(r["source"] for r in rows)]:
         mine = [r for r in rows if src in ("all", r["source"])]
@@ -185,8 +202,11 @@ def summarise(rows: list[dict]) -> dict:
         for mode in dict.fromkeys(r["mode"] for r in rows):  # the originals' modes first, then ours
             m = [r for r in mine if r["mode"] == mode]
             tokens, seconds = sum(len(r["tokens"]) for r in m), sum(r["seconds"] for r in m)
+            own = ar["torch:ar" if mode.startswith("torch:") else "ar"]
             cells[mode] = {"tokens_per_s": tokens / seconds, "tau": sum(r["committed"] for r in m) / sum(r["steps"] for r in m),
-                           "same_text_as_torch_ar": sum(r["tokens"] == ref[r["prompt"]] for r in m), "answers": len(m)}
+                           "same_text_as_own_ar": sum(r["tokens"] == own[r["prompt"]] for r in m),
+                           "same_text_as_torch_ar": sum(r["tokens"] == ar["torch:ar"][r["prompt"]] for r in m),
+                           "answers": len(m)}
         for mode, cell in cells.items():
             cell["ratio_to_torch_ar"] = cell["tokens_per_s"] / cells["torch:ar"]["tokens_per_s"]
             cell["ratio_to_our_ar"] = cell["tokens_per_s"] / cells["ar"]["tokens_per_s"]
@@ -209,10 +229,12 @@ def markdown(record: dict) -> str:
                 else "") + ". `dflash`: ours with the originals' drafter law (no conditioned head, full vocabulary, "
              "no lookup). `bastion`: ours as `generate` runs it. tau: tokens committed per step (the originals "
              "count a last step's tokens past the budget too).", "",
-             "| mode | tokens/s | tau | x torch:ar | x our ar | same text as torch:ar |", "|---|---|---|---|---|---|"]
+             "| mode | tokens/s | tau | x torch:ar | x our ar | same text as its side's AR | same text as torch:ar |",
+             "|---|---|---|---|---|---|---|"]
     for mode, c in summary["all"].items():
         lines.append(f"| {mode} | {c['tokens_per_s']:.1f} | {c['tau']:.2f} | {c['ratio_to_torch_ar']:.2f} | "
-                     f"{c['ratio_to_our_ar']:.2f} | {c['same_text_as_torch_ar']}/{c['answers']} |")
+                     f"{c['ratio_to_our_ar']:.2f} | {c['same_text_as_own_ar']}/{c['answers']} | "
+                     f"{c['same_text_as_torch_ar']}/{c['answers']} |")
     modes = list(summary["all"])
     lines += ["", "tokens/s per set (tau):", "", "| set | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
     for src, cells in summary.items():

@@ -22,9 +22,9 @@ def rows(texts: dict[str, list[list[int]]], seconds: dict[str, float]) -> list[d
             for mode, ts in texts.items() for i, t in enumerate(ts)]
 
 
-def test_summary_pools_tokens_over_seconds_and_counts_texts_equal_to_the_originals_ar():
-    same = [[1, 2, 3, 4], [5, 6]]
-    texts = {"torch:ar": same, "torch:dflash": same, "ar": same, "dflash": [[1, 2, 3, 4], [5, 7]],
+def test_summary_pools_tokens_over_seconds_and_counts_texts_equal_to_each_sides_ar(tmp_path):
+    same, ours = [[1, 2, 3, 4], [5, 6]], [[1, 2, 3, 4], [5, 7]]  # (as if the libraries rounded apart on "b")
+    texts = {"torch:ar": same, "torch:dflash": [[1, 2, 3, 9], [5, 6]], "ar": ours, "dflash": ours,
              "bastion": same}
     secs = {"torch:ar": 2.0, "torch:dflash": 4.0, "ar": 1.0, "dflash": 0.5, "bastion": 0.25}
     s = torch_originals.summarise(rows(texts, secs))
@@ -35,15 +35,24 @@ def test_summary_pools_tokens_over_seconds_and_counts_texts_equal_to_the_origina
     assert s["all"]["bastion"]["ratio_to_our_ar"] == pytest.approx(4.0)
     assert s["b"]["torch:dflash"]["tokens_per_s"] == pytest.approx(2 / 4.0)
     assert s["all"]["dflash"]["same_text_as_torch_ar"] == 1 and s["a"]["dflash"]["same_text_as_torch_ar"] == 1
-    assert s["all"]["bastion"]["same_text_as_torch_ar"] == 2 and s["all"]["bastion"]["answers"] == 2
+    assert s["all"]["dflash"]["same_text_as_own_ar"] == 2  # ours is judged by our AR
+    assert s["all"]["torch:dflash"]["same_text_as_own_ar"] == 1 and s["b"]["torch:dflash"]["same_text_as_own_ar"] == 1
+    assert s["all"]["bastion"]["same_text_as_own_ar"] == 1 and s["all"]["bastion"]["same_text_as_torch_ar"] == 2
+    assert s["all"]["bastion"]["answers"] == 2
     assert s["all"]["ar"]["tau"] == pytest.approx(2.0)
     record = {"meta": {"dtype": "float32", "device": "cpu", "cpu": "x", "date": "d", "commit": "c", "jax": "j",
                        "originals": "o", "torch": "t", "torch_threads": 2, "transformers": "4.57.1", "prompts": 2,
                        "sets": ["a", "b"], "max_new_tokens": 4, "reps": 1, "official_bastion": {}},
               "summary": s}
     md = torch_originals.markdown(record)
-    assert "| dflash | 6.0 | 2.00 | 4.00 | 2.00 | 1/2 |" in md
+    assert "| dflash | 6.0 | 2.00 | 4.00 | 2.00 | 2/2 | 1/2 |" in md
     assert "torch:bastion" not in md
+    # --report makes the summary and the table again from a saved run's rows
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"meta": record["meta"], "summary": {}, "rows": rows(texts, secs)}))
+    assert torch_originals.main(["--report", str(saved)]) == 0
+    assert json.loads(saved.read_text())["summary"] == json.loads(json.dumps(s))
+    assert (tmp_path / "run.md").read_text() == md
 
 
 def _refused(capsys, argv: list[str], *fragments: str) -> str:
@@ -58,6 +67,9 @@ def _refused(capsys, argv: list[str], *fragments: str) -> str:
 
 def test_a_directory_without_the_originals_is_refused(capsys, tmp_path):
     _refused(capsys, ["--originals", str(tmp_path)], "--originals", "no dflash/model.py")
+    _refused(capsys, [], "--originals is required")
+    (tmp_path / "x.json").write_text("{}")
+    _refused(capsys, ["--report", str(tmp_path / "x.json")], "not a torch_originals run")
 
 
 def test_an_interpreter_with_transformers_5_is_refused_in_one_line(capsys, tmp_path):
