@@ -70,14 +70,17 @@ def main(argv=None) -> int:
     if args.originals is None:
         return fail(ValueError("--originals is required (a checkout of z-lab/dflash or of BASTION)"))
     if not (Path(args.originals) / "dflash" / "model.py").is_file():
-        return fail(f"--originals {args.originals}: no dflash/model.py there (a checkout of z-lab/dflash)")
+        return fail(ValueError(f"--originals {args.originals}: no dflash/model.py there (a checkout of z-lab/dflash)"))
     try:
         prompts = [(Path(f).name.split(".")[0], text) for spec in args.prompts
                    for f in [resolve_prompt_file(spec)] for text in read_prompts(f, args.max_prompts)]
     except PromptError as e:
         return fail(e)
-    check = subprocess.run([args.python, str(TORCH_SIDE), "--check", str(Path(args.originals).resolve())],
-                           capture_output=True, text=True)
+    try:
+        check = subprocess.run([args.python, str(TORCH_SIDE), "--check", str(Path(args.originals).resolve())],
+                               capture_output=True, text=True)
+    except OSError as e:
+        return fail(ValueError(f"--python {args.python}: cannot run it ({e.strerror or e})"))
     if check.returncode:
         return fail(ValueError(last_line(check.stderr)))
     use_compilation_cache()

@@ -68,6 +68,11 @@ def _refused(capsys, argv: list[str], *fragments: str) -> str:
 def test_a_directory_without_the_originals_is_refused(capsys, tmp_path):
     _refused(capsys, ["--originals", str(tmp_path)], "--originals", "no dflash/model.py")
     _refused(capsys, [], "--originals is required")
+    (tmp_path / "dflash").mkdir()
+    (tmp_path / "dflash" / "model.py").write_text("")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"question": "Name a colour."}) + "\n")
+    _refused(capsys, ["--originals", str(tmp_path), "--python", str(tmp_path / "nope" / "python"),
+                      "--prompts", str(tmp_path / "p.jsonl")], "--python", "cannot run")
     (tmp_path / "x.json").write_text("{}")
     _refused(capsys, ["--report", str(tmp_path / "x.json")], "not a torch_originals run")
 
