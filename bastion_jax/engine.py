@@ -29,9 +29,9 @@ from bastion_jax.executables import Executables
 from bastion_jax.latency import DevicePeaks, LatencyModel, ModelDims
 from bastion_jax.datastore import Datastore, resolve_datastore
 from bastion_jax.lookup import LookupConfig
-from bastion_jax.modeling.attention import PREFILL_TILE
 from bastion_jax.modeling.cond_head import default_cond_candidates, default_cond_depths
 from bastion_jax.sampling import KeyStream, SamplingConfig
+from bastion_jax.shapes import cache_class, prefill_bucket
 from bastion_jax.speculative import DraftVocab, asks_for_draft_vocab, resolve_draft_vocab
 from bastion_jax.stats import Result, Rows, Stats
 from bastion_jax.loops import ArLoop, ChainLoop
@@ -47,33 +47,6 @@ MODES = ("ar", "dflash", "fixed:N", "bastion")
 
 class GenerationError(ValueError):
     """A request the engine cannot serve (e.g. prompt longer than the cache)."""
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def cache_class(need: int) -> int:
-    """The smallest of 256, 384, 512, 768, 1024, 1536, ... (powers of two and 1.5 times them) that
-    holds `need` slots. Every executable is compiled per cache length, and a step's cost follows
-    its live context, not the cache's size (`modeling.attention`), so coarse classes cost memory
-    only (less than half again the slots needed), while requests of different lengths share their
-    compiled steps: from 512 to 8,192 slots 8 classes instead of the 31 of a 256-slot grain (a new
-    class is a dozen compilations for bastion, ~50 s on a 2-core CPU)."""
-    size = 256
-    while size < need:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
-    return size
-
-
-def prefill_bucket(n: int, cache_len: int, minimum: int = 16) -> int:
-    """The prompt length a prefill is compiled for: a power of two up to two prefill tiles, then a
-    multiple of the tile, capped at the cache. A long prompt pads at most one tile less a token
-    (powers of two padded a 1,377-token prompt to 2,048: 49% more rows through every matmul)."""
-    bucket = max(minimum, next_pow2(n))
-    if bucket > 2 * PREFILL_TILE:
-        bucket = -(-n // PREFILL_TILE) * PREFILL_TILE
-    return min(bucket, cache_len)
 
 
 class Engine:

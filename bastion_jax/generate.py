@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     from bastion_jax.checkpoints import CheckpointError
     from bastion_jax.controller import DEFAULT_BUCKETS, Policy, default_buckets, parse_buckets
     from bastion_jax.default_model import DefaultModelError
-    from bastion_jax.engine import Engine, GenerationError, prefill_bucket
+    from bastion_jax.engine import Engine, GenerationError
+    from bastion_jax.shapes import prefill_bucket
     from bastion_jax.sampling import SamplingConfig
     from bastion_jax.speculative import asks_for_draft_vocab, resolve_draft_vocab
     from bastion_jax.text import IncrementalDetokenizer, encode_prompt, load_tokenizer

@@ -50,7 +50,7 @@ def test_requests_of_different_lengths_share_a_cache_class(pair):
     requests whose prompt + budget land in one class reuse every compiled step: a second request
     185 tokens longer compiles only its prompt's prefill (a 256-slot grain would have sized 1,100
     and 1,300 slots apart: 1,280 and 1,536)."""
-    from bastion_jax.engine import cache_class
+    from bastion_jax.shapes import cache_class
 
     assert [cache_class(n) for n in (1, 256, 257, 385, 513, 769, 1025, 1537, 6145)] == [
         256, 256, 384, 512, 768, 1024, 1536, 2048, 8192]
@@ -297,16 +297,16 @@ def test_warm_up_runs_the_prefills_key_tile_loop(pair, monkeypatch):
                         or real(padded, lens, *a))
     target, _ = pair
     engine = Engine(target, stop_ids=[-1])
-    for n in (5, 400):
+    for n in (5, 500):
         engine.generate([[3 + i % 90 for i in range(n)]], max_new_tokens=4, mode="ar")
     # (bucket, length) of each warm-up's dummy prompt, then of the request's own
-    assert seen == [(16, 16), (16, 5), (512, PREFILL_TILE + 16), (512, 400)]
+    assert seen == [(16, 16), (16, 5), (512, PREFILL_TILE + 16), (512, 500)]
 
 
 def test_a_calibration_from_the_requests_prompt_bucket_leaves_it_nothing_to_compile(converted):
     """`generate` calibrates from a prefill at the coming request's prompt bucket, so a first run
     compiles that prefill once (in the calibration) instead of a second one in its warm-up."""
-    from bastion_jax.engine import prefill_bucket
+    from bastion_jax.shapes import prefill_bucket
 
     _, target = converted("llama3")
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=BLOCK), seed=1)

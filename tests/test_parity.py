@@ -96,12 +96,17 @@ def test_long_prompts_pad_to_a_tile_and_decode_as_transformers(tmp_path):
     """Prompts over two prefill tiles pad to a multiple of the tile (600 -> 768, not 1024) and all
     modes decode them exactly as transformers' greedy generate does (a batch of two lengths)."""
     from bastion_jax.checkpoints import load_target, random_drafter
-    from bastion_jax.engine import prefill_bucket
+    from bastion_jax.shapes import prefill_bucket
     from bastion_jax.testing import save_tiny_hf, tiny_drafter_config
 
-    assert [prefill_bucket(n, 4096) for n in (5, 200, 512, 513, 600, 1377, 2048)] == [16, 256, 512, 768, 768,
-                                                                                     1536, 2048]
-    assert prefill_bucket(600, 700) == 700  # never past the cache
+    lengths = (5, 64, 65, 200, 256, 257, 400, 512, 513, 600, 1377, 2048)
+    assert [prefill_bucket(n, 4096, fine=False) for n in lengths] == [16, 64, 128, 256, 256, 512, 512, 512, 768,
+                                                                      768, 1536, 2048]
+    # finer on CPU (the default there): multiples of 32 up to 256, of 64 up to two tiles
+    assert [prefill_bucket(n, 4096, fine=True) for n in lengths] == [16, 64, 96, 224, 256, 320, 448, 512, 768,
+                                                                     768, 1536, 2048]
+    assert prefill_bucket(200, 4096) == (224 if jax.default_backend() == "cpu" else 256)
+    assert prefill_bucket(600, 700) == 700 and prefill_bucket(200, 210) == 210  # never past the cache
     hf = save_tiny_hf("qwen3", tmp_path, max_position_embeddings=1024)
     target = load_target(tmp_path, jnp.float32)
     rng = np.random.default_rng(5)
