@@ -39,7 +39,6 @@ from benchmarks.report import commit, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TORCH_SIDE = Path(__file__).resolve().parent / "torch_side.py"
-OURS = ("ar", "dflash", "bastion")
 
 
 def parse(argv):
@@ -183,7 +182,7 @@ def report(path: Path) -> int:
 
 
 def describe(path: str) -> str:
-    """The originals' checkout as `<remote or dir> @ <commit>`, so the figures name what they ran."""
+    """The originals' checkout as `<its directory's name> @ <commit>`, so the figures name what they ran."""
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path, capture_output=True, text=True,
                              check=True).stdout.strip()

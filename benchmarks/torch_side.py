@@ -35,6 +35,11 @@ def fail(message: str) -> int:
     return 2
 
 
+def is_bastion_checkout(path: str) -> bool:
+    """The official BASTION repository carries `bastion/` beside z-lab's `dflash/`."""
+    return (Path(path) / "bastion" / "tree_draft.py").is_file()
+
+
 def originals(path: str):
     """(torch, transformers, z-lab's dflash.model) from this environment and the checkout at `path`;
     a SystemExit with one `error:` line when they cannot run here."""
@@ -52,7 +57,7 @@ def originals(path: str):
         import dflash.model as zlab
     except ImportError as e:
         sys.exit(fail(f"cannot import dflash.model from {path} ({e})"))
-    if (Path(path) / "bastion" / "tree_draft.py").is_file():
+    if is_bastion_checkout(path):
         try:
             importlib.import_module("bastion.benchmark")  # (and through it cost_model and tree_draft)
         except ImportError as e:
@@ -75,7 +80,7 @@ def main(job_path: str, out_path: str) -> int:
     modes = {"torch:ar": functools.partial(zlab.dflash_generate, block_size=1),
              "torch:dflash": functools.partial(zlab.dflash_generate, block_size=drafter.block_size)}
     setup = {}
-    if (Path(job["originals"]) / "bastion" / "tree_draft.py").is_file():
+    if is_bastion_checkout(job["originals"]):
         modes["torch:bastion"], setup = official_bastion(job, torch, target, drafter)
 
     def run(ids: list[int], generate) -> dict:
