@@ -177,13 +177,16 @@ def test_nothing_committed_reads_no_prefix(t):
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
-@pytest.mark.parametrize("t,tile", [(64, 16), (48, 16), (16, 16), (40, 16)])
+@pytest.mark.parametrize("t,tile", [(64, 16), (48, 16), (16, 16), (12, 16), (24, 16), (40, 16)])
 def test_causal_prefill_tiles_match_dense(t, tile, dtype, tol):
     """A `Causal` mask with nothing committed: a prefill attends tile by tile below the diagonal (t a
-    multiple of the tile, over one tile), else through the causal mask; both equal one dense causal
-    softmax, and the tiled form never forms a score block larger than [tile, tile]."""
+    multiple of the tile), as one tile (t under two tiles), else through the causal mask; all equal
+    one dense causal softmax, and the tiled form never forms a score block larger than one tile's."""
+    from bastion_jax.modeling.attention import prefill_tile_size
+
     rng = np.random.default_rng(t + tile)
     b, max_len, hq, hkv, d = 2, 8, 4, 2, 8  # (hq * d = 32 is no t below: the HLO check looks for t x t)
+    g = hq // hkv
     q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
     k = jnp.asarray(rng.normal(size=(b, t, hkv, d)) * 3, dtype)
     v = jnp.asarray(rng.normal(size=(b, t, hkv, d)), dtype)
@@ -195,9 +198,14 @@ def test_causal_prefill_tiles_match_dense(t, tile, dtype, tol):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=tol, atol=tol)
     masked = attend_split(q, garbage, garbage, None, k, v, mask, new_chunk=tile)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(masked, np.float32), rtol=tol, atol=tol)
-    tiled = t > tile and t % tile == 0
-    hlo = jax.jit(lambda *a: attend_split(*a, None, k, v, full, prefill_tile=tile)).lower(q, garbage, garbage)
-    assert (f"{t}x{t}x" in hlo.as_text()) is not tiled  # the [t, t] mask exists only where not tiled
+    size = prefill_tile_size(t, tile)
+    assert size == (tile if t % tile == 0 else t if t < 2 * tile else None)
+    text = jax.jit(lambda *a: attend_split(*a, None, k, v, full, prefill_tile=tile)).lower(q, garbage, garbage).as_text()
+    if size is None:  # the masked path: a [t, t] mask
+        assert f"{t}x{t}x" in text
+    else:  # head-major scores [b * kv_heads, groups * tile, tile]: never [t, t] unless t is one tile
+        assert f"{b * hkv}x{g * size}x{size}xf32" in text
+        assert (f"{g * t}x{t}x" in text) is (size == t) and f"{t}x{t}x" not in text
 
 
 def test_causal_prefill_skips_the_padding_tiles():
