@@ -134,6 +134,10 @@ class Engine:
         self.latency = latency or self.default_latency_model()
         self._batch_latency: dict[int, LatencyModel] = {}  # models for other batch sizes than self.latency's
         self.warm: set[tuple[int, bool]] = set()  # (executable id, greedy) run once (`warmup.warm_up`)
+        # A step dropped to free memory mappings (`Executables.make_room`) is no longer warm: its id may
+        # come back on another executable. (The set, not the engine, is captured: no reference cycle.)
+        warm = self.warm
+        self.executables.on_evict = lambda exe: warm.difference_update({(id(exe), True), (id(exe), False)})
         self.progress = False  # a bar on stderr while a warm-up runs (the CLI's; seconds per step on CPU)
 
     def latency_for(self, batch: int) -> LatencyModel:

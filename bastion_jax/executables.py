@@ -11,7 +11,9 @@ engine, the profiler and the benchmarks all get their steps here.
 from __future__ import annotations
 
 import functools
+import gc
 import math
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
@@ -126,6 +128,29 @@ def _sampler():
     return jax.eval_shape(lambda: sampler(jax.random.PRNGKey(0), SamplingConfig()))
 
 
+# Of the process's memory-mapping limit, the share compiled steps may fill before the least recently
+# used ones are dropped (`Executables.make_room`).
+MAPPINGS_SHARE = 0.7
+
+
+def mappings() -> int:
+    """The process's memory mappings now (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+def mapping_budget() -> int | None:
+    """How many mappings the process may hold before `Executables` drops old steps: `MAPPINGS_SHARE` of
+    Linux's per-process limit (vm.max_map_count, 65,530 by default); None where there is none to read."""
+    try:
+        return int(int(Path("/proc/sys/vm/max_map_count").read_text()) * MAPPINGS_SHARE)
+    except (OSError, ValueError):
+        return None
+
+
 class Executables:
     """Compiled prefill/step functions for a target (and drafter), one per shape, compiled on first use."""
 
@@ -149,6 +174,9 @@ class Executables:
         self._full_tables = None  # a conditioned head's full-vocabulary tables (`_chain_tables`), once asked for
         self.compilations = 0  # compilations done so far (a cached shape adds none)
         self.on_lower: Callable[[], object] | None = None  # called after each new step is lowered (a progress bar)
+        self.mapping_budget = mapping_budget()  # (None: never drop steps)
+        self.evictions = 0  # steps dropped to stay under it (`make_room`)
+        self.on_evict: Callable[[Any], object] | None = None  # called with each step dropped (the engine's warm set)
 
     # -- buffers ---------------------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int) -> KVCache:
@@ -174,14 +202,36 @@ class Executables:
     def compiled(self, fn, key: tuple, args: tuple, static: dict | None = None) -> Compiling:
         """The compiled `fn(*args, **static)` for `key`, compiling (and counting) it the first time:
         lowered here, compiled on a worker thread (`Compiling`: the first call waits for it)."""
-        exe = self._table.get(key)
+        exe = self._table.pop(key, None)
         if exe is None:
+            self.make_room()
             exe = compile_async(fn.lower(*args, **(static or {})))
-            self._table[key] = exe
             self.compilations += 1
             if self.on_lower is not None:
                 self.on_lower()
+        self._table[key] = exe  # the most recently used last
         return exe
+
+    def make_room(self) -> None:
+        """Drop the least recently used steps while the process holds more memory mappings than
+        `mapping_budget`. Why: XLA:CPU maps each compiled executable's kernels into the process, three
+        mappings per kernel (~2,100 for one SmolLM2 bastion step, ~10 steps per batch size and cache
+        length), and Linux allows 65,530 per process by default: a bastion process that had served
+        prompts of four cache sizes aborted inside LLVM on its next compile ("Unable to allocate section
+        memory"). A dropped step is compiled again (or loaded from JAX's persistent cache) when a later
+        request needs it; a request running holds its own steps until it ends."""
+        if self.mapping_budget is None:
+            return
+        while self._table and mappings() > self.mapping_budget:
+            exe = self._table.pop(next(iter(self._table)))
+            self.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(exe)
+            del exe
+            # JAX's own compilation cache holds every executable it compiled too: cleared, so that the
+            # dropped one goes (other jitted functions of the process compile again on their next call).
+            jax.clear_caches()
+            gc.collect()  # (an executable in a reference cycle keeps its mappings until collected)
 
     def ready(self) -> None:
         """Wait until every step asked for so far is compiled (what a compile time or a count of the

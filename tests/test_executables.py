@@ -141,3 +141,38 @@ def test_parameters_are_one_pytree_node_holding_the_same_leaves(converted):
             change()
     again = copy.deepcopy(params)
     assert isinstance(again, FlatParams) and jax.tree.structure(again) == jax.tree.structure(params)
+
+
+def test_old_steps_are_dropped_before_the_mappings_run_out(converted):
+    """XLA:CPU maps every kernel of a compiled step into the process, and Linux caps a process's
+    mappings (a bastion process that had served four cache sizes aborted on its next compile): past
+    `mapping_budget` the least recently used steps go first, their mappings with them, the engine no
+    longer counts them warm, and a request that needs one again compiles it; every answer stays the
+    target's greedy one."""
+    from bastion_jax.checkpoints import random_drafter
+    from bastion_jax.engine import Engine
+    from bastion_jax.executables import mappings
+    from bastion_jax.testing import tiny_drafter_config
+
+    _, target = converted("qwen3")
+    drafter = random_drafter(tiny_drafter_config(target.config, block_size=5), seed=2)
+    engine = Engine(target, drafter=drafter, stop_ids=[-1], buckets=(1, 4), top_k=4)
+    exe = engine.executables
+    short, long = [5, 9, 11], [3 + i % 50 for i in range(150)]  # two cache lengths: two sets of steps
+    ar = Engine(target, stop_ids=[-1])
+    want = {len(p): ar.generate([p], max_new_tokens=8, mode="ar").tokens for p in (short, long)}
+    assert engine.generate([short], max_new_tokens=8).tokens == want[len(short)]
+    assert exe.evictions == 0 and exe.mapping_budget is not None and exe.mapping_budget > mappings()
+    first = {id(e) for e in exe._table.values()}
+    exe.mapping_budget = mappings() - 1  # any new step must make room first
+    assert engine.generate([long], max_new_tokens=8).tokens == want[len(long)]
+    gone = first - {id(e) for e in exe._table.values()}
+    assert exe.evictions > 0 and gone  # the oldest went: the short prompt's steps
+    assert not {(i, True) for i in gone} & engine.warm
+    compiled = exe.compilations
+    assert engine.generate([short], max_new_tokens=8).tokens == want[len(short)]
+    assert exe.compilations > compiled  # compiled again
+    held = mappings()
+    exe.mapping_budget = 0
+    exe.make_room()
+    assert not exe._table and mappings() < held - 10 * exe.evictions  # dropping a step unmaps its kernels
