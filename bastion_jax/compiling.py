@@ -35,6 +35,10 @@ class Compiling:
             self._exe = self._future.result()
         return self._exe
 
+    def done(self) -> bool:
+        """Whether the worker has finished (compiled, loaded or failed)."""
+        return self._exe is not None or self._future.done()
+
     def __call__(self, *args):
         return (self._exe or self.result())(*args)
 

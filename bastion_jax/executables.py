@@ -131,6 +131,7 @@ def _sampler():
 # Of the process's memory-mapping limit, the share compiled steps may fill before the least recently
 # used ones are dropped (`Executables.make_room`).
 MAPPINGS_SHARE = 0.7
+STEP_MAPPINGS = 500  # the least a step is taken to map (before any has been compiled, a guess on the low side)
 
 
 def mappings() -> int:
@@ -175,6 +176,7 @@ class Executables:
         self.compilations = 0  # compilations done so far (a cached shape adds none)
         self.on_lower: Callable[[], object] | None = None  # called after each new step is lowered (a progress bar)
         self.mapping_budget = mapping_budget()  # (None: never drop steps)
+        self._maps_at_start = mappings()  # what the process held before any of these steps
         self.evictions = 0  # steps dropped to stay under it (`make_room`)
         self.on_evict: Callable[[Any], object] | None = None  # called with each step dropped (the engine's warm set)
 
@@ -213,16 +215,24 @@ class Executables:
         return exe
 
     def make_room(self) -> None:
-        """Drop the least recently used steps while the process holds more memory mappings than
-        `mapping_budget`. Why: XLA:CPU maps each compiled executable's kernels into the process, three
-        mappings per kernel (~2,100 for one SmolLM2 bastion step, ~10 steps per batch size and cache
-        length), and Linux allows 65,530 per process by default: a bastion process that had served
-        prompts of four cache sizes aborted inside LLVM on its next compile ("Unable to allocate section
-        memory"). A dropped step is compiled again (or loaded from JAX's persistent cache) when a later
-        request needs it; a request running holds its own steps until it ends."""
+        """Before a new step is compiled: drop the least recently used steps while the process would
+        hold more memory mappings than `mapping_budget` with it. Why: XLA:CPU maps each compiled
+        executable's kernels into the process, three mappings per kernel (~2,100 for one SmolLM2 bastion
+        step, ~10 steps per batch size and cache length), and Linux allows 65,530 per process by default:
+        a bastion process that had served prompts of four cache sizes aborted inside LLVM on its next
+        compile ("Unable to allocate section memory"). A step costs what the steps held cost on average
+        (those still compiling count too: near the budget they are waited for first). A dropped step is
+        compiled again (or loaded from JAX's persistent cache) when a later request needs it; a request
+        running holds its own steps until it ends."""
         if self.mapping_budget is None:
             return
-        while self._table and mappings() > self.mapping_budget:
+        done = [e for e in self._table.values() if e.done()]
+        now = mappings()
+        per_step = max(STEP_MAPPINGS, (now - self._maps_at_start) / len(done)) if done else STEP_MAPPINGS
+        if now + (len(self._table) - len(done) + 1) * per_step <= self.mapping_budget:
+            return
+        self.ready()  # the steps still compiling map their kernels first
+        while self._table and mappings() + per_step > self.mapping_budget:
             exe = self._table.pop(next(iter(self._table)))
             self.evictions += 1
             if self.on_evict is not None:

@@ -101,15 +101,6 @@ def _release() -> None:
     gc.collect()
 
 
-def _mappings() -> int:
-    """The process's memory mappings now (0 where /proc is missing)."""
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            return f.read().count(b"\n")
-    except OSError:
-        return 0
-
-
 # XLA:CPU maps every compiled executable's code into the process, three mappings per kernel (code,
 # constants, data): ~100 for a small jitted function, thousands for an unrolled model step. Kept alive
 # by jit caches and by engines in reference cycles, the suite's executables pass Linux's default limit
@@ -129,5 +120,7 @@ def _release_executables():
 def _release_executables_when_many():
     """Within a module too, once past half the limit (a module's tests may build many engines)."""
     yield
-    if _mappings() > MAPPINGS_HEADROOM:
+    from bastion_jax.executables import mappings
+
+    if mappings() > MAPPINGS_HEADROOM:
         _release()
