@@ -15,6 +15,7 @@ from __future__ import annotations
 import numbers
 import time
 import warnings
+from functools import partial
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -134,10 +135,9 @@ class Engine:
         self.latency = latency or self.default_latency_model()
         self._batch_latency: dict[int, LatencyModel] = {}  # models for other batch sizes than self.latency's
         self.warm: set[tuple[int, bool]] = set()  # (executable id, greedy) run once (`warmup.warm_up`)
-        # A step dropped to free memory mappings (`Executables.make_room`) is no longer warm: its id may
-        # come back on another executable. (The set, not the engine, is captured: no reference cycle.)
-        warm = self.warm
-        self.executables.on_evict = lambda exe: warm.difference_update({(id(exe), True), (id(exe), False)})
+        # A step dropped to free memory mappings is no longer warm. (The set, not the engine, is bound:
+        # no reference cycle.)
+        self.executables.on_evict = partial(warmup.forget, self.warm)
         self.progress = False  # a bar on stderr while a warm-up runs (the CLI's; seconds per step on CPU)
 
     def latency_for(self, batch: int) -> LatencyModel:

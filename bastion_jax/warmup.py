@@ -45,6 +45,12 @@ def exe_id(f, sampling: SamplingConfig) -> tuple[int, bool]:
     return id(getattr(f, "exe", f)), sampling.greedy
 
 
+def forget(warm: set[tuple[int, bool]], exe) -> None:
+    """Take a dropped executable (`Executables.make_room`) out of an engine's `warm` set, under both
+    sampling branches: its id may come back on another executable."""
+    warm.difference_update({(id(exe), True), (id(exe), False)})
+
+
 def prompt_args(padded: np.ndarray, lens: np.ndarray, seed: int, sampling: SamplingConfig):
     """(rng, (tokens, lengths, sampler)) of a request: the prompts [batch, bucket] and their lengths on
     the device, and the sampler with the request's first key (temperature, top-k and top-p are arrays,

@@ -108,7 +108,7 @@ def _laws(params, embed, head, ranked, tokens, loss_mask, features, *, drafter_d
     return q, matmul(f, head), valid
 
 
-def measure_row(laws, prompt: list[int], answer: list[int], temperature: float, ranked: np.ndarray,
+def measure_row(laws, answer: list[int], temperature: float, ranked: np.ndarray,
                 rng: np.random.Generator, trials: int, every: int) -> tuple[dict, dict]:
     """Per-position figures of one sampled answer: slot 1's (FIRST) and deeper slots' (top1, spec)."""
     q_logits, p_logits, valid = laws
@@ -195,7 +195,7 @@ def measure(argv=None) -> None:
                                 feats, drafter_def=drafter.graphdef, obj=obj, window=args.max_new_tokens,
                                 depths=args.depths, hidden=hidden)
             laws = (np.asarray(q[0], np.float64), np.asarray(p[0], np.float64), np.asarray(valid[0]))
-            f, g = measure_row(laws, list(prompt), list(answer), args.temperature, ranked, rng, args.trials, args.every)
+            f, g = measure_row(laws, list(answer), args.temperature, ranked, rng, args.trials, args.every)
             for k in first:
                 first[k] += f[k]
             for k in deep:
