@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--passages", type=int, default=0, help="also use up to N tasks over a passage of prose "
                    "(summarise, list the main points, explain, rewrite) cut from the standard library's language "
                    "reference topics and module docstrings (default 0)")
+    d.add_argument("--passage-chars", type=int, default=1000, help="longest --passages passage, in characters "
+                   "(default 1000; ~4 characters a token)")
+    d.add_argument("--text-tasks", type=int, default=0, help="also use up to N tasks (summarise, rewrite, "
+                   "extract, answer) over responses the target wrote before, read from --text-from (default 0)")
+    d.add_argument("--text-from", nargs="+", default=[], help="training data files (JSONL / .npz) whose "
+                   "responses --text-tasks poses its tasks over")
 
     k = sub.add_parser("pack", help="store data JSONL files compactly (uint16 ids, compressed .npz) to commit, "
                        "or unpack a .npz back to JSONL (to resume `data` on it)")
@@ -203,9 +209,10 @@ def drafter_config(target_cfg, args):
 def run_data(args, target, log) -> None:
     from bastion_jax.engine import Engine
     from bastion_jax.text import load_tokenizer
-    from bastion_jax.training.data import DataError, file_prompts, generate_responses, magpie_prompts, mix_prompts
+    from bastion_jax.training.data import (DataError, file_prompts, generate_responses, magpie_prompts, mix_prompts,
+                                           read_records)
     from bastion_jax.training.prompt_sources import (OPENER_SETS, docstring_prompts, method_prompts,
-                                                         passage_prompts, stdlib_prompts)
+                                                         own_text_prompts, passage_prompts, stdlib_prompts)
 
     paths = [Path(s) for s in args.sources] if args.sources is not None else [DEFAULT_DATA_DIR / n
                                                                               for n in DEFAULT_SOURCES]
@@ -217,13 +224,17 @@ def run_data(args, target, log) -> None:
     if args.methods:
         sources.append(("methods", method_prompts(args.methods, args.seed)))
     if args.passages:
-        sources.append(("passages", passage_prompts(args.passages, args.seed)))
+        sources.append(("passages", passage_prompts(args.passages, args.seed, max_chars=args.passage_chars)))
     try:  # (before hours of generation, not after)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(f"cannot write --out {args.out}: {e}") from None
     tokenizer = load_tokenizer(target)
     engine = Engine(target, tokenizer)
+    if args.text_tasks:
+        texts = [tokenizer.decode(list(r["response_ids"]), skip_special_tokens=True)
+                 for f in args.text_from for r in read_records(f)]
+        sources.append(("text_tasks", own_text_prompts(texts, args.text_tasks, args.seed)))
     if args.magpie:
         own = magpie_prompts(engine, tokenizer, args.magpie, f"{args.out}.magpie.jsonl",
                              temperature=args.magpie_temperature, max_new_tokens=args.magpie_max_tokens,
@@ -398,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_datastore(args, log)
         if args.command == "eval":  # modes the buckets cannot run: refused before the target loads
             eval_buckets(args.modes, args.buckets)
+        if args.command == "data" and args.text_tasks and not args.text_from:
+            raise DataError("--text-tasks needs --text-from: the data files whose responses it poses tasks over")
         path = args.target or default_target_dir(verbose=not args.quiet)
         target = load_target(path, resolve_dtype(args.dtype))
         log(f"loaded {path} ({target.dtype.name}: {dtype_note(args.dtype)})")

@@ -2,9 +2,11 @@
 
 import pytest
 
+from bastion_jax.training.prompt_sources import _OWN_TEXT_TASKS
 from bastion_jax.training.prompt_sources import _PASSAGE_TASKS as _TASKS
 from bastion_jax.training.prompt_sources import (CODE_OPENERS, MAGPIE_OPENERS, MATH_OPENERS, OPENER_SETS, _chunks,
-                                                 docstring_prompts, method_prompts, passage_prompts)
+                                                 docstring_prompts, method_prompts, own_text_prompts,
+                                                 passage_prompts)
 
 LIB = '''"""A module."""
 
@@ -96,6 +98,9 @@ def test_opener_sets_and_the_cli_choice():
     assert parse("--docstrings", "7").docstrings == 7
     assert parse("--methods", "5").methods == 5 and parse().methods == 0
     assert parse("--passages", "4").passages == 4 and parse().passages == 0
+    assert parse("--passage-chars", "2500").passage_chars == 2500 and parse().passage_chars == 1000
+    assert parse("--text-tasks", "3", "--text-from", "a.npz", "b.npz").text_from == ["a.npz", "b.npz"]
+    assert parse().text_tasks == 0 and parse().text_from == []
     with pytest.raises(SystemExit):
         parse("--magpie-openers", "poetry")
 
@@ -188,3 +193,28 @@ def test_passage_prompts_pose_tasks_over_topics_and_module_docs(tmp_path):
     assert all(len(q) <= 400 for q in passages)
     assert {p.startswith(tuple(_TASKS)) for p in got} == {True, False}  # task first and task last
     assert passage_prompts(100, seed=0, min_chars=150, max_chars=400, root=tmp_path) == got
+
+
+def test_own_text_prompts_pose_one_task_over_each_long_enough_text():
+    texts = [f"Answer {i}: " + "the target's own words " * (4 + 3 * i) for i in range(12)]
+    got = own_text_prompts(texts, 100, seed=3, min_chars=120)
+    kept = [t.strip() for t in texts if len(t.strip()) >= 120]
+    assert 0 < len(kept) < len(texts) and len(got) == len(kept)  # short texts skipped, each long one once
+    for p in got:
+        tasks = [t for t in _OWN_TEXT_TASKS if p.startswith(t + " ") or p.endswith("\n\n" + t)]
+        assert len(tasks) == 1, p  # one task, before the text (only the "...:" forms) or after it
+        body = p[len(tasks[0]) + 1:] if p.startswith(tasks[0] + " ") else p[:-len(tasks[0]) - 2]
+        assert body in kept  # the text whole
+    assert sorted(p for p in got if any(p.startswith(t + " ") for t in _OWN_TEXT_TASKS))  # prefix forms used
+    assert own_text_prompts(texts, 100, seed=3, min_chars=120) == got  # deterministic in the seed
+    assert len(own_text_prompts(texts, 2, seed=3, min_chars=120)) == 2
+
+
+def test_text_tasks_need_their_source_files(tmp_path, capsys):
+    from bastion_jax.train_drafter import main
+
+    rc = main(["data", "--out", str(tmp_path / "o.jsonl"), "--sources", "--stdlib", "0", "--text-tasks", "5",
+               "--target", str(tmp_path / "no-such-target")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--text-tasks needs --text-from" in err  # refused before any target loads
+    assert "no-such-target" not in err

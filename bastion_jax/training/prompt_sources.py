@@ -208,6 +208,36 @@ def passage_prompts(limit: int, seed: int = 0, min_chars: int = 300, max_chars: 
     return out[:limit]
 
 
+
+# Tasks over text the target wrote before (`own_text_prompts`): a summary, a rewrite or an extraction
+# of a given text copies its names, numbers and phrases, as a news summary or a retrieval answer does.
+_OWN_TEXT_TASKS = ("Summarize:", "Summarize the following text.", "Summarize this in two sentences:",
+                   "TL;DR:", "Rewrite the following text in a more formal tone.",
+                   "Rewrite this text for a ten-year-old.", "List the key facts in the text below.",
+                   "Extract every name, number and date from this text, with what each refers to.",
+                   "Write a headline and a one-paragraph summary for this text.",
+                   "Based on the text below, answer: what is the main point, and what supports it?",
+                   "Turn the following text into a list of questions and answers.",
+                   "Correct any errors in the following text and return the corrected version.")
+
+
+def own_text_prompts(texts: list[str], limit: int, seed: int = 0, min_chars: int = 400) -> list[str]:
+    """Tasks (`_OWN_TEXT_TASKS`) over texts the target wrote itself (earlier data sets' responses).
+
+    Why: the answers users ask for over a given text (news summaries, retrieval answers, edits) repeat
+    the text's words, and a drafter learns to copy them only from answers that do; the standard
+    library's prose (`passage_prompts`) is one register, while the target's own answers span every
+    kind its chat sets cover. A text under `min_chars` is skipped; a task comes before the text (the
+    bare "Summarize:" form as a prefix) or after it."""
+    rng = random.Random(seed)
+    pool = [t.strip() for t in texts if len(t.strip()) >= min_chars]
+    rng.shuffle(pool)
+    out = []
+    for text in pool[:limit]:
+        task = rng.choice(_OWN_TEXT_TASKS)
+        out.append(f"{task} {text}" if task.endswith(":") and rng.random() < 0.7 else f"{text}\n\n{task}")
+    return out
+
 # Opening words for self-written prompts (`data.magpie_prompts(openers=...)`), by kind (OPENER_SETS).
 # General chat: from the bare user prefix a small target writes one kind of request over and over
 # (SmolLM2: "I'm planning ... how should I ...?" advice); a chat benchmark asks for essays, emails, role
