@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 here=training_data/smollm2-135m-instruct
 D=../shared/data
 mkdir -p runs/data
-for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18 p19 c20 c21 m22 c23 k24 m25 c26; do
+for kind in greedy t07 t07s3 t07s4 c7 c8 c9 c10 c11 c12 c13 c14 c15 c16 m17 m18 p19 c20 c21 m22 c23 k24 m25 c26 x27; do
   if [ -f $here/$kind.npz ] && [ ! -f runs/data/$kind.jsonl ]; then
     python -m bastion_jax.train_drafter pack --data $here/$kind.npz --out runs/data/$kind.jsonl
   fi
@@ -107,3 +107,13 @@ python -m bastion_jax.train_drafter data --out runs/data/m25.jsonl --num 1500 --
 python -m bastion_jax.train_drafter pack --data runs/data/m25.jsonl --out $here/m25.npz --vocab-size 49152
 # One more greedy opener-seeded chat set (2026-12-06, the end of a CPU-only session), as c23.
 greedy_chat 26
+# Answers that copy a given text (2026-12-07, a CPU-only session): the drafter's chain accepted 1.27
+# tokens a step on news summaries, where a third to a half of the target's tokens continue an earlier
+# occurrence of their last few tokens. 800 tasks (summarise, rewrite, extract, answer; `--text-tasks`)
+# over the target's own answers in c26 and c23, and the standard library's passage tasks over longer
+# passages (`--passage-chars 2500`: 364 such chunks, seed 27), prompts kept whole up to 704 tokens;
+# greedy, 192 new tokens.
+python -m bastion_jax.train_drafter data --out runs/data/x27.jsonl --num 1200 --seed 27 --sources --stdlib 0 \
+  --passages 400 --passage-chars 2500 --text-tasks 800 --text-from $here/c26.npz $here/c23.npz \
+  --max-prompt-tokens 704 --max-new-tokens 192 --batch-size 32 --temperature 0
+python -m bastion_jax.train_drafter pack --data runs/data/x27.jsonl --out $here/x27.npz --vocab-size 49152
