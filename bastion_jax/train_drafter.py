@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--passages", type=int, default=0, help="also use up to N tasks over a passage of prose "
                    "(summarise, list the main points, explain, rewrite) cut from the standard library's language "
                    "reference topics and module docstrings (default 0)")
-    d.add_argument("--passage-chars", type=int, default=1000, help="longest --passages passage, in characters "
+    d.add_argument("--passage-chars", type=positive_int, default=1000, help="longest --passages passage, in characters "
                    "(default 1000; ~4 characters a token)")
     d.add_argument("--text-tasks", type=int, default=0, help="also use up to N tasks (summarise, rewrite, "
                    "extract, answer) over responses the target wrote before, read from --text-from (default 0)")
