@@ -153,9 +153,10 @@ log "training two drafters until ${STOP_AT}s"
 # The committed sets first and the new ones after, so the held-out rows are the last of the last file
 # (c9's greedy chat: the c* glob sorts it last). The maths, docstring, passage and code sets (m*, p*, k*)
 # come before the chat sets; the 2026-12-04 lease's run globbed none of them and so never saw those kinds.
+# The copying set x27 too (at seq 384 its rows over longer prompts keep part of their answers or none).
 sets=()
 for f in "$here"/greedy.npz "$here"/t07.npz "$here"/t07s*.npz "$here"/g[0-9]*.npz "$here"/m[0-9]*.npz \
-         "$here"/p[0-9]*.npz "$here"/k[0-9]*.npz "$here"/c[0-9]*.npz; do
+         "$here"/p[0-9]*.npz "$here"/k[0-9]*.npz "$here"/x[0-9]*.npz "$here"/c[0-9]*.npz; do
   [ -f "$W/ret/$(basename "$f")" ] || sets+=("$f")  # a set continued here comes back whole in ret/
 done
 common=(--target "$TARGET" --data "${sets[@]}" "${new[@]}" --block-size 16
