@@ -230,11 +230,11 @@ def run_data(args, target, log) -> None:
     except OSError as e:
         raise DataError(f"cannot write --out {args.out}: {e}") from None
     tokenizer = load_tokenizer(target)
-    engine = Engine(target, tokenizer)
     if args.text_tasks:
         texts = [tokenizer.decode(list(r["response_ids"]), skip_special_tokens=True)
                  for f in args.text_from for r in read_records(f)]
         sources.append(("text_tasks", own_text_prompts(texts, args.text_tasks, args.seed)))
+    engine = Engine(target, tokenizer)
     if args.magpie:
         own = magpie_prompts(engine, tokenizer, args.magpie, f"{args.out}.magpie.jsonl",
                              temperature=args.magpie_temperature, max_new_tokens=args.magpie_max_tokens,
@@ -409,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_datastore(args, log)
         if args.command == "eval":  # modes the buckets cannot run: refused before the target loads
             eval_buckets(args.modes, args.buckets)
-        if args.command == "data" and args.text_tasks and not args.text_from:
-            raise DataError("--text-tasks needs --text-from: the data files whose responses it poses tasks over")
+        if args.command == "data" and bool(args.text_tasks) != bool(args.text_from):
+            raise DataError("--text-tasks N and --text-from FILES go together: the tasks, and the data files "
+                            "whose responses they are posed over")
         path = args.target or default_target_dir(verbose=not args.quiet)
         target = load_target(path, resolve_dtype(args.dtype))
         log(f"loaded {path} ({target.dtype.name}: {dtype_note(args.dtype)})")

@@ -210,11 +210,12 @@ def test_own_text_prompts_pose_one_task_over_each_long_enough_text():
     assert len(own_text_prompts(texts, 2, seed=3, min_chars=120)) == 2
 
 
-def test_text_tasks_need_their_source_files(tmp_path, capsys):
+def test_text_tasks_and_their_source_files_go_together(tmp_path, capsys):
     from bastion_jax.train_drafter import main
 
-    rc = main(["data", "--out", str(tmp_path / "o.jsonl"), "--sources", "--stdlib", "0", "--text-tasks", "5",
-               "--target", str(tmp_path / "no-such-target")])
-    err = capsys.readouterr().err
-    assert rc != 0 and "--text-tasks needs --text-from" in err  # refused before any target loads
-    assert "no-such-target" not in err
+    for half in (["--text-tasks", "5"], ["--text-from", "a.npz"]):  # either alone would be ignored
+        rc = main(["data", "--out", str(tmp_path / "o.jsonl"), "--sources", "--stdlib", "0", *half,
+                   "--target", str(tmp_path / "no-such-target")])
+        err = capsys.readouterr().err
+        assert rc != 0 and "--text-tasks N and --text-from FILES go together" in err
+        assert "no-such-target" not in err  # refused before any target loads

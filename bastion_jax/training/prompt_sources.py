@@ -208,7 +208,6 @@ def passage_prompts(limit: int, seed: int = 0, min_chars: int = 300, max_chars: 
     return out[:limit]
 
 
-
 # Tasks over text the target wrote before (`own_text_prompts`): a summary, a rewrite or an extraction
 # of a given text copies its names, numbers and phrases, as a news summary or a retrieval answer does.
 _OWN_TEXT_TASKS = ("Summarize:", "Summarize the following text.", "Summarize this in two sentences:",
@@ -237,6 +236,7 @@ def own_text_prompts(texts: list[str], limit: int, seed: int = 0, min_chars: int
         task = rng.choice(_OWN_TEXT_TASKS)
         out.append(f"{task} {text}" if task.endswith(":") and rng.random() < 0.7 else f"{text}\n\n{task}")
     return out
+
 
 # Opening words for self-written prompts (`data.magpie_prompts(openers=...)`), by kind (OPENER_SETS).
 # General chat: from the bare user prefix a small target writes one kind of request over and over
