@@ -56,6 +56,18 @@ def positive_int(text: str) -> int:
     return n
 
 
+def count_arg(text: str) -> int:
+    """argparse type for "up to N of these" counts where 0 means none: a negative N is refused while
+    parsing (used as a slice bound it would quietly keep all but the last N)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return n
+
+
 DEFAULT_BLOCK_SIZE = 16  # of a drafter built at random (--drafter random, profile --target, train)
 
 

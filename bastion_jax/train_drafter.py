@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from bastion_jax.acceptance_cli import add_eval_parser, eval_buckets, run_eval
-from bastion_jax.cli import (DEFAULT_BLOCK_SIZE, Parser, block_size_arg, fail, positive_int, stderr_log,
+from bastion_jax.cli import (DEFAULT_BLOCK_SIZE, Parser, block_size_arg, count_arg, fail, positive_int, stderr_log,
                              use_compilation_cache)
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, help="JSONL file to write (appended to: an interrupted run resumes)")
     d.add_argument("--sources", nargs="*", help="JSONL(.gz) prompt files from training splits (default: "
                    f"{', '.join(DEFAULT_SOURCES)} from ../shared/data beside the checkout)")
-    d.add_argument("--stdlib", type=int, default=300, help="also use up to N prompts built from Python "
+    d.add_argument("--stdlib", type=count_arg, default=300, help="also use up to N prompts built from Python "
                    "standard-library sources and docs (default 300)")
     d.add_argument("--num", type=positive_int, default=2000, help="total prompts (default 2000)")
     d.add_argument("--max-new-tokens", type=int, default=256)
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch-size", type=int, default=32)
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses (default); > 0 samples "
                    "them (e.g. 0.7 for varied text the target still finds likely)")
-    d.add_argument("--magpie", type=int, default=0, help="also use up to N prompts the target writes itself "
+    d.add_argument("--magpie", type=count_arg, default=0, help="also use up to N prompts the target writes itself "
                    "(Magpie: the chat template's user prefix, sampled), kept in OUT.magpie.jsonl (default 0)")
     d.add_argument("--magpie-temperature", type=float, default=1.0)
     d.add_argument("--magpie-max-tokens", type=int, default=96, help="longest self-written prompt (default 96)")
@@ -56,16 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "role-play, solve, code, extract, ...; spreads prompts over a chat benchmark's kinds), math "
                    "(competition-style LaTeX problems: 'Let $f(x) =', 'How many positive integers', ...) or code "
                    "(programming tasks: 'Write a Python function that', 'Given a list of integers,', ...)")
-    d.add_argument("--docstrings", type=int, default=0, help="also use up to N function-completion prompts: a "
+    d.add_argument("--docstrings", type=count_arg, default=0, help="also use up to N function-completion prompts: a "
                    "signature and docstring from the Python standard library's sources, body left out (default 0)")
-    d.add_argument("--methods", type=int, default=0, help="also use up to N method-completion prompts: a class "
+    d.add_argument("--methods", type=count_arg, default=0, help="also use up to N method-completion prompts: a class "
                    "statement and one of its methods' signature and docstring, from the same sources (default 0)")
-    d.add_argument("--passages", type=int, default=0, help="also use up to N tasks over a passage of prose "
+    d.add_argument("--passages", type=count_arg, default=0, help="also use up to N tasks over a passage of prose "
                    "(summarise, list the main points, explain, rewrite) cut from the standard library's language "
                    "reference topics and module docstrings (default 0)")
     d.add_argument("--passage-chars", type=positive_int, default=1000, help="longest --passages passage, in characters "
                    "(default 1000; ~4 characters a token)")
-    d.add_argument("--text-tasks", type=int, default=0, help="also use up to N tasks (summarise, rewrite, "
+    d.add_argument("--text-tasks", type=count_arg, default=0, help="also use up to N tasks (summarise, rewrite, "
                    "extract, answer) over responses the target wrote before, read from --text-from (default 0)")
     d.add_argument("--text-from", nargs="+", default=[], help="training data files (JSONL / .npz) whose "
                    "responses --text-tasks poses its tasks over")

@@ -103,6 +103,10 @@ def test_opener_sets_and_the_cli_choice():
     assert parse().text_tasks == 0 and parse().text_from == []
     with pytest.raises(SystemExit):
         parse("--magpie-openers", "poetry")
+    for flag in ("--stdlib", "--magpie", "--docstrings", "--methods", "--passages", "--text-tasks"):
+        assert getattr(parse(flag, "0"), flag[2:].replace("-", "_")) == 0  # none of that source
+        with pytest.raises(SystemExit):
+            parse(flag, "-3")  # refused: a slice bound of -3 would keep all but the last 3
 
 
 def test_docstring_prompts_refuse_a_missing_source_tree(tmp_path):
